@@ -1,0 +1,34 @@
+"""Reference checkpoint library: capture, write atomically, index, verify, load.
+
+    payload = capture(model, optimizer, scheduler, global_step=step, epoch=e, batch_in_epoch=b,
+                      loss_history=losses, data_order=sampler.state_dict())
+    manager = CheckpointManager(run_dir, every_steps=100, keep_last=3)
+    manager.save(payload)
+    ...
+    payload = manager.load_latest()          # verified, migrated, or None
+    state = TrainState.from_payload(payload)
+    state.restore(model, optimizer, scheduler)   # also restores every RNG
+"""
+from .atomic import atomic_write, atomic_write_bytes, remove_stale_temps
+from .data_order import ResumableBatchSampler
+from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError,
+                     InvalidIndexError, RNGRestoreError, SchemaError, UnsafeCheckpointError)
+from .manager import (CheckpointInfo, CheckpointManager, CheckpointSkippedWarning, latest_valid,
+                      list_checkpoints, load, verify)
+from .rng import capture_rng, restore_rng
+from .schema import CURRENT_SCHEMA, CURRENT_VERSION, migrate, register_migration
+from .sharded import load_sharded, plan_shards, save_sharded, verify_sharded
+from .single_file import load_file, save_file
+from .state import TrainState, capture
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CURRENT_SCHEMA", "CURRENT_VERSION", "CheckpointError", "CheckpointInfo", "CheckpointManager",
+    "CheckpointSkippedWarning", "CorruptCheckpointError", "IncompleteCheckpointError",
+    "InvalidIndexError", "RNGRestoreError", "ResumableBatchSampler", "SchemaError", "TrainState",
+    "UnsafeCheckpointError", "atomic_write", "atomic_write_bytes", "capture", "capture_rng",
+    "latest_valid", "list_checkpoints", "load", "load_file", "load_sharded", "migrate",
+    "plan_shards", "register_migration", "remove_stale_temps", "restore_rng", "save_file",
+    "save_sharded", "verify", "verify_sharded",
+]

@@ -1,0 +1,180 @@
+"""Sharded checkpoints: plan the shards, write them (and meta.pt) atomically in parallel while
+hashing, then commit by writing index.json last. Loading verifies every size and hash first.
+
+Layout of one checkpoint directory:
+    model-00000-of-00004.pt ...   parameters and buffers, split round-robin or by group
+    meta.pt                       everything else: optimizer, scheduler, counters, RNG, ...
+    index.json                    schema, names, byte sizes and sha256 of every file (commit point)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .atomic import atomic_write, atomic_write_bytes, fsync_dir, remove_stale_temps
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .index import INDEX_NAME, META_NAME, build_index, encode_index, read_index
+from .integrity import sha256_file
+from .loading import safe_torch_load
+from .schema import check_supported, migrate
+
+GroupBy = Callable[[str], str]
+_GROUP_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def by_suffix(key: str) -> str:
+    """Group parameters by their last dotted component: weight, bias, running_mean, ..."""
+    return key.rsplit(".", 1)[-1]
+
+
+def plan_shards(keys: list[str], num_shards: int = 2, group_by: GroupBy | str | None = None,
+                ) -> dict[str, list[str]]:
+    """Map shard file name -> parameter keys. Round-robin over `num_shards`, or one shard per
+    group when `group_by` is given ("suffix" or a function key -> group name)."""
+    if group_by is None:
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        plan = {f"model-{i:05d}-of-{num_shards:05d}.pt": keys[i::num_shards] for i in range(num_shards)}
+    else:
+        fn = by_suffix if group_by == "suffix" else group_by
+        if not callable(fn):
+            raise ValueError(f"group_by must be 'suffix' or a callable, got {group_by!r}")
+        plan = {}
+        for key in keys:
+            group = _GROUP_SAFE.sub("_", str(fn(key))) or "_"
+            plan.setdefault(f"model-{group}.pt", []).append(key)
+    return {name: ks for name, ks in plan.items() if ks}
+
+
+def save_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num_shards: int = 2,
+                 group_by: GroupBy | str | None = None, max_workers: int | None = None) -> dict[str, Any]:
+    """Write `payload` as a sharded checkpoint in `directory`; returns the committed index.
+
+    A crash at any instant leaves either no index.json (incomplete, ignored by loaders) or a
+    complete, verified checkpoint. If the directory already held a committed checkpoint it is
+    un-committed first, so a half-overwritten directory never passes for a valid one.
+    """
+    schema = payload.get("schema")
+    check_supported(schema, os.fspath(directory))
+    directory = Path(directory)
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    if created:
+        fsync_dir(directory.parent)
+    index_path = directory / INDEX_NAME
+    if index_path.exists():
+        index_path.unlink()
+        fsync_dir(directory)
+    remove_stale_temps(directory)
+
+    model = payload["model"]
+    plan = plan_shards(list(model.keys()), num_shards, group_by)
+    meta = {k: v for k, v in payload.items() if k != "model"}
+    jobs: list[tuple[str, str, Any, list[str] | None]] = [
+        (name, "shard", {k: model[k] for k in keys}, keys) for name, keys in plan.items()]
+    jobs.append((META_NAME, "meta", meta, None))
+    workers = max_workers or min(len(jobs), os.cpu_count() or 1)
+
+    def write_one(job):
+        name, role, obj, keys = job
+        size, digest = atomic_write(directory / name, lambda sink: torch.save(obj, sink), sync_dir=False)
+        entry = {"name": name, "role": role, "bytes": size, "sha256": digest}
+        if keys is not None:
+            entry["keys"] = list(keys)
+        return entry
+
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            entries = list(pool.map(write_one, jobs))
+    else:
+        entries = [write_one(job) for job in jobs]
+    fsync_dir(directory)  # the shards' renames are durable before the commit point exists
+    counters = payload.get("counters") or {}
+    index = build_index(schema=schema, global_step=int(counters.get("global_step", 0)),
+                        wall_saved_at=payload.get("wall_saved_at"), files=entries)
+    index["key_order"] = list(model.keys())
+    metric = (payload.get("extra") or {}).get("metric")
+    if isinstance(metric, (int, float)):
+        index["metric"] = float(metric)
+    atomic_write_bytes(index_path, encode_index(index))
+    return index
+
+
+def check_sizes(directory: str | os.PathLike) -> dict[str, Any]:
+    """Cheap completeness check: the index is valid and every file exists with its size."""
+    directory = Path(directory)
+    index = read_index(directory)
+    for entry in index["files"]:  # cheap checks first: fail early on a missing or cut file
+        path = directory / entry["name"]
+        try:
+            st = os.stat(path)
+        except FileNotFoundError as exc:
+            raise IncompleteCheckpointError(path, "listed in index.json but missing") from exc
+        if st.st_size != entry["bytes"]:
+            raise CorruptCheckpointError(path, f"size {st.st_size} bytes, index.json says {entry['bytes']}")
+    return index
+
+
+def verify_sharded(directory: str | os.PathLike, *, max_workers: int | None = None) -> dict[str, Any]:
+    """Check the index, every file's size, then every file's sha256. Returns the index."""
+    directory = Path(directory)
+    index = check_sizes(directory)
+
+    def hash_one(entry):
+        path = directory / entry["name"]
+        _, digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            raise CorruptCheckpointError(path, f"sha256 mismatch: index.json says {entry['sha256']}, "
+                                               f"file has {digest}")
+
+    workers = max_workers or min(len(index["files"]), os.cpu_count() or 1)
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(hash_one, index["files"]))
+    else:
+        for entry in index["files"]:
+            hash_one(entry)
+    return index
+
+
+def load_sharded(directory: str | os.PathLike, map_location=None, *, verify: bool = True,
+                 migrate_schema: bool = True, max_workers: int | None = None) -> dict[str, Any]:
+    """Verify (unless told not to), load every file with weights_only=True, merge, migrate."""
+    directory = Path(directory)
+    index = verify_sharded(directory, max_workers=max_workers) if verify else read_index(directory)
+    meta_entry = next(e for e in index["files"] if e["role"] == "meta")
+    shards = [e for e in index["files"] if e["role"] == "shard"]
+
+    def load_one(entry):
+        return entry, safe_torch_load(directory / entry["name"], map_location=map_location)
+
+    workers = max_workers or min(len(index["files"]), os.cpu_count() or 1)
+    with (ThreadPoolExecutor(max_workers=workers) if workers > 1 else contextlib.nullcontext()) as pool:
+        loaded = list(pool.map(load_one, shards)) if pool else [load_one(e) for e in shards]
+    merged: dict[str, Any] = {}
+    for entry, part in loaded:
+        path = directory / entry["name"]
+        if not isinstance(part, dict) or sorted(part) != sorted(entry["keys"]):
+            raise CorruptCheckpointError(path, "shard's parameter names disagree with index.json")
+        merged.update(part)
+    order = index.get("key_order")
+    if isinstance(order, list) and sorted(order) == sorted(merged):
+        model = {k: merged[k] for k in order}
+    else:
+        model = merged
+    meta_path = directory / meta_entry["name"]
+    meta = safe_torch_load(meta_path, map_location=map_location)
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(meta_path, f"expected a dict, found {type(meta).__name__}")
+    if meta.get("schema") != index["schema"]:
+        raise CorruptCheckpointError(meta_path, f"schema {meta.get('schema')!r} disagrees with "
+                                                f"index.json's {index['schema']!r}")
+    payload = dict(meta)
+    payload["model"] = model
+    return migrate(payload, os.fspath(directory)) if migrate_schema else payload
