@@ -91,6 +91,7 @@ class CheckpointManager:
                  every_seconds: float | None = None, keep_last: int | None = None,
                  keep_best: int | None = None, best_mode: str = "min", layout: str = "sharded",
                  num_shards: int = 2, group_by: GroupBy | str | None = None,
+                 max_workers: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
         if layout not in ("sharded", "file"):
             raise ValueError(f"layout must be 'sharded' or 'file', got {layout!r}")
@@ -107,6 +108,7 @@ class CheckpointManager:
         self.layout = layout
         self.num_shards = num_shards
         self.group_by = group_by
+        self.max_workers = max_workers
         self.clock = clock
         self._last_save_time = clock()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -119,6 +121,8 @@ class CheckpointManager:
         return bool(self.every_seconds) and self.clock() - self._last_save_time >= self.every_seconds
 
     def path_for(self, step: int) -> Path:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
         name = f"step-{step:08d}" + (".pt" if self.layout == "file" else "")
         return self.directory / name
 
@@ -140,9 +144,10 @@ class CheckpointManager:
         if self.layout == "file":
             save_file(payload, path)
         else:
-            save_sharded(payload, path, num_shards=self.num_shards, group_by=self.group_by)
+            save_sharded(payload, path, num_shards=self.num_shards, group_by=self.group_by,
+                         max_workers=self.max_workers)
         self._last_save_time = self.clock()
-        self.apply_retention()
+        self.apply_retention(just_saved=path)
         return path
 
     # -- finding ---------------------------------------------------------------------------
@@ -172,9 +177,15 @@ class CheckpointManager:
             return None
         return float(value) if isinstance(value, (int, float)) else None
 
-    def apply_retention(self) -> list[Path]:
-        """Delete checkpoints beyond keep_last/keep_best. Only committed, valid checkpoints count
-        toward what is kept; incomplete ones older than the newest valid one are removed."""
+    def apply_retention(self, *, just_saved: Path | None = None) -> list[Path]:
+        """Delete checkpoints beyond keep_last/keep_best. Only committed checkpoints count toward
+        what is kept; incomplete ones older than the anchor are removed.
+
+        The anchor is never deleted: the checkpoint just saved (`just_saved`), else the newest
+        checkpoint that fully verifies. Committed-looking checkpoints are only size-checked here
+        (cheap), so without an anchor a newer checkpoint with a flipped bit could take the last
+        kept slot and retention would delete the only loadable one. If nothing verifies, nothing
+        is deleted."""
         if self.keep_last is None and self.keep_best is None:
             return []
         infos = self.checkpoints()
@@ -188,18 +199,26 @@ class CheckpointManager:
                 invalid.append(info)
         if not valid:
             return []
-        keep = {valid[-1].path}
+        anchor = next((i for i in valid if just_saved is not None and i.path == Path(just_saved)), None)
+        if anchor is None:
+            for info in reversed(valid):
+                try:
+                    verify(info)
+                except CheckpointError:
+                    continue
+                anchor = info
+                break
+            else:
+                return []
+        keep = {anchor.path}
         if self.keep_last is not None:
             keep.update(i.path for i in valid[-self.keep_last:])
-        else:
-            keep.update(i.path for i in valid)
         if self.keep_best:
             scored = [(m, i) for i in valid if (m := self._metric(i)) is not None]
             scored.sort(key=lambda mi: mi[0], reverse=self.best_mode == "max")
             keep.update(i.path for _, i in scored[:self.keep_best])
-        newest_valid = valid[-1].step
         doomed = [i for i in valid if i.path not in keep]
-        doomed += [i for i in invalid if i.step < newest_valid]
+        doomed += [i for i in invalid if i.step < anchor.step]
         removed = []
         for info in sorted(doomed, key=lambda i: i.step):
             _remove_checkpoint(info.path)

@@ -1,0 +1,280 @@
+"""The checks, as plain functions shared by the pytest suite and `python -m conformance replay`.
+
+Each raises ConformanceFailure (an AssertionError) with the full report, or returns quietly.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from .adapters import LegacySample, TrainerAdapter
+from .corrupt import corrupt, plant_malicious_pickle
+from .crash import Schedule
+from .judge import fail, format_mismatches, loss_mismatches, stderr_tail
+from .scenario import TrialOutcome, resume_point, run_schedule
+from .trials import Baseline, RunSpec, SubprocessRunner, WarmRunner, traced_run
+
+CHECK_IDS = ("determinism_precondition", "resume_matches_baseline", "no_lost_work", "no_torn_state",
+             "corruption_detected", "untrusted_checkpoint", "schema_migration")
+DEFAULT_TOL = 1e-4
+
+
+class NotDeterministic(Exception):
+    """Two uninterrupted runs disagree: resume checks cannot be judged."""
+
+
+class Session:
+    """Per-process cache of baselines (one traced uninterrupted run per adapter and spec)."""
+
+    def __init__(self, adapter: TrainerAdapter, workdir: Path | None = None, runner=None,
+                 tol: float = DEFAULT_TOL):
+        self.adapter = adapter
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="conformance-"))
+        self.runner = runner or WarmRunner()
+        self.tol = tol
+        self._baselines: dict[tuple, Baseline] = {}
+        self._determinism: dict[RunSpec, str | None] = {}
+        self._prefixes: dict[RunSpec, tuple[Baseline, int]] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close:
+            close()
+
+    def case_dir(self, name: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.workdir))
+
+    def baseline(self, spec: RunSpec) -> Baseline:
+        key = (spec,)
+        if key not in self._baselines:
+            base = traced_run(self.runner, self.adapter, spec, self.case_dir("baseline"))
+            if base.result.returncode != 0:
+                raise fail("determinism_precondition", self.adapter, spec,
+                           f"an uninterrupted run exited {base.result.returncode}",
+                           details="  stderr:\n" + stderr_tail(base.result.stderr))
+            missing = [s for s in range(1, spec.total_steps + 1) if s not in base.losses]
+            if missing:
+                raise fail("determinism_precondition", self.adapter, spec,
+                           f"an uninterrupted run logged no loss for steps {missing[:5]} "
+                           "(CONFORMANCE_LOSS_LOG must get one line per step)")
+            self._baselines[key] = base
+        return self._baselines[key]
+
+    def determinism_problem(self, spec: RunSpec) -> str | None:
+        if spec not in self._determinism:
+            base = self.baseline(spec)
+            d = self.case_dir("determinism")
+            (d / "ckpt").mkdir()
+            again = self.runner.run_process(self.adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
+            rows = loss_mismatches(base.losses, again.losses, self.tol)
+            problem = None
+            if again.returncode != 0:
+                problem = f"a second uninterrupted run exited {again.returncode}\n" + stderr_tail(again.stderr)
+            elif rows or set(again.losses) != set(base.losses):
+                problem = ("not deterministic without interruption: two uninterrupted runs differ\n"
+                           + format_mismatches(rows))
+            self._determinism[spec] = problem
+        return self._determinism[spec]
+
+    def prefix(self, spec: RunSpec) -> tuple[Baseline, int]:
+        """A traced run stopped at the last save before total_steps, keeping an older save."""
+        if spec not in self._prefixes:
+            stop = spec.save_every * ((spec.total_steps - 1) // spec.save_every)
+            if stop < 2 * spec.save_every:
+                raise ValueError(f"total_steps={spec.total_steps} leaves no room for two saves "
+                                 f"before the end with save_every={spec.save_every}")
+            short = RunSpec(stop, spec.save_every, spec.seed)
+            self._prefixes[spec] = (traced_run(self.runner, self.adapter, short, self.case_dir("prefix")), stop)
+        return self._prefixes[spec]
+
+
+# -- determinism ----------------------------------------------------------------------------------
+def check_determinism(session: Session, spec: RunSpec) -> None:
+    problem = session.determinism_problem(spec)
+    if problem:
+        raise fail("determinism_precondition", session.adapter, spec, problem.splitlines()[0],
+                   details="\n".join(problem.splitlines()[1:]))
+
+
+# -- crash schedules ------------------------------------------------------------------------------
+def run_trial(session: Session, spec: RunSpec, schedule: Schedule) -> TrialOutcome:
+    return run_schedule(session.runner, session.adapter, spec, schedule, session.case_dir("trial"),
+                        session.baseline(spec))
+
+
+def _describe_crashes(outcome: TrialOutcome) -> str:
+    lines = []
+    for i, c in enumerate(outcome.crashed):
+        where = f"inside the save of step {c.in_progress}" if c.in_progress else "outside any save"
+        lines.append(f"  crash {i + 1}: {c.point} = kill on entry to {c.planned_text} ({where}); "
+                     f"newest committed checkpoint then: step {c.newest_committed}; "
+                     f"next process resumed from step {outcome.resume_points[i]}")
+    return "\n".join(lines)
+
+
+def judge_resume_matches_baseline(session: Session, outcome: TrialOutcome) -> None:
+    spec, base = outcome.spec, session.baseline(outcome.spec)
+    if outcome.final.returncode != 0:
+        raise fail("resume_matches_baseline", session.adapter, spec,
+                   f"the resumed run exited {outcome.final.returncode} after a plain kill (an in-place "
+                   "or torn write looks like this from outside)", schedule=outcome.schedule,
+                   details=_describe_crashes(outcome) + "\n  stderr of the resumed run:\n" + stderr_tail(outcome.final.stderr))
+    for who, losses in outcome.all_losses():
+        rows = loss_mismatches(base.losses, losses, session.tol)
+        if rows:
+            raise fail("resume_matches_baseline", session.adapter, spec,
+                       f"{who}: loss differs from the uninterrupted run at {len(rows)} step(s) "
+                       f"(tolerance {session.tol:g})", schedule=outcome.schedule,
+                       details=_describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows))
+    last = max([s for _, l in outcome.all_losses() for s in l] + [outcome.resume_points[-1]])
+    if last < spec.total_steps:
+        raise fail("resume_matches_baseline", session.adapter, spec,
+                   f"the resumed run stopped at step {last}, not {spec.total_steps}", schedule=outcome.schedule,
+                   details=_describe_crashes(outcome))
+
+
+def judge_no_lost_work(session: Session, outcome: TrialOutcome) -> None:
+    for i, c in enumerate(outcome.crashed):
+        r = outcome.resume_points[i]
+        if r < 0:
+            continue  # the next process never trained: judged by resume_matches_baseline / no_torn_state
+        if r < c.newest_committed:
+            what = "from scratch" if r == 0 else f"from step {r}"
+            raise fail("no_lost_work", session.adapter, outcome.spec,
+                       f"after crash {i + 1} the trainer resumed {what}, but the checkpoint of step "
+                       f"{c.newest_committed} was committed before the kill", schedule=outcome.schedule,
+                       details=_describe_crashes(outcome))
+        upper = c.in_progress if c.in_progress else c.newest_committed
+        if r > max(upper, c.newest_committed):
+            raise fail("no_lost_work", session.adapter, outcome.spec,
+                       f"after crash {i + 1} the trainer resumed from step {r}, later than any checkpoint "
+                       f"that could have been written before the kill (step {upper})", schedule=outcome.schedule,
+                       details=_describe_crashes(outcome))
+
+
+def judge_no_torn_state(session: Session, outcome: TrialOutcome) -> None:
+    base = session.baseline(outcome.spec)
+    processes = [c.result for c in outcome.crashed[1:]] + [outcome.final]
+    for i, c in enumerate(outcome.crashed):
+        if not c.in_progress:
+            continue
+        nxt, r = processes[i], outcome.resume_points[i]
+        if r < 0 or (not nxt.losses and nxt.returncode not in (0, -9, 137)):
+            raise fail("no_torn_state", session.adapter, outcome.spec,
+                       f"after a kill inside the save of step {c.in_progress} the trainer could not "
+                       f"resume (exit {nxt.returncode}): it found a torn checkpoint", schedule=outcome.schedule,
+                       details=_describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(nxt.stderr))
+        if r not in (c.newest_committed, c.in_progress):
+            continue  # lost work, judged by no_lost_work
+        rows = loss_mismatches(base.losses, nxt.losses, session.tol)
+        if rows:
+            raise fail("no_torn_state", session.adapter, outcome.spec,
+                       f"after a kill inside the save of step {c.in_progress} the trainer resumed from "
+                       f"step {r} and its losses differ: it loaded incomplete state", schedule=outcome.schedule,
+                       details=_describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows))
+
+
+JUDGES = {"resume_matches_baseline": judge_resume_matches_baseline, "no_lost_work": judge_no_lost_work,
+          "no_torn_state": judge_no_torn_state}
+
+
+def check_schedule(session: Session, check: str, spec: RunSpec, schedule: Schedule) -> TrialOutcome:
+    outcome = run_trial(session, spec, schedule)
+    JUDGES[check](session, outcome)
+    return outcome
+
+
+# -- files of the newest checkpoint ---------------------------------------------------------------
+def newest_checkpoint_files(prefix: Baseline, stop: int) -> list[Path]:
+    """Regular files that the save of step `stop` wrote and that still exist after the run."""
+    window = prefix.save_windows().get(stop, [])
+    files: dict[str, None] = {}
+    for i in window:
+        ev = prefix.events[i]
+        if ev.op in ("write", "rename", "create", "link"):
+            files[ev.paths[-1]] = None
+    return [Path(p) for p in files if Path(p).is_file() and not Path(p).is_symlink()]
+
+
+def _copy_prefix(session: Session, spec: RunSpec, name: str) -> tuple[Path, list[Path], int]:
+    prefix, stop = session.prefix(spec)
+    d = session.case_dir(name)
+    ckpt = (d / "ckpt").resolve()
+    shutil.copytree(prefix.ckpt_dir, ckpt, symlinks=True)
+    files = [ckpt / p.relative_to(prefix.ckpt_dir) for p in newest_checkpoint_files(prefix, stop)]
+    if not files:
+        raise fail("corruption_detected", session.adapter, spec,
+                   f"could not tell which files make up the checkpoint of step {stop}: the save "
+                   "after logging that step wrote no file under CONFORMANCE_CKPT_DIR")
+    return d, files, stop
+
+
+def check_corruption(session: Session, spec: RunSpec, kind: str) -> None:
+    check = "corruption_detected"
+    d, files, stop = _copy_prefix(session, spec, f"corrupt-{kind}")
+    target = max(files, key=lambda p: p.stat().st_size)
+    what = corrupt(kind, target)
+    result = session.runner.run_process(session.adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
+    base = session.baseline(spec)
+    previous = stop - spec.save_every
+    details = f"  corruption: {what} (newest checkpoint: step {stop})"
+    if result.returncode != 0:
+        if not result.stderr.strip():
+            raise fail(check, session.adapter, spec, f"after corruption the trainer exited "
+                       f"{result.returncode} without a message on stderr", details=details, extra=f"--corruption={kind}")
+        return
+    r = resume_point(result, spec)
+    rows = loss_mismatches(base.losses, result.losses, session.tol)
+    if rows:
+        raise fail(check, session.adapter, spec, f"the trainer loaded a corrupted checkpoint without noticing "
+                   f"(resumed from step {r}, exit 0) and its loss curve diverges", details=details +
+                   "\n  first differing steps:\n" + format_mismatches(rows), extra=f"--corruption={kind}")
+    if r < previous:
+        what_r = "from scratch" if r == 0 else f"from step {r}"
+        raise fail(check, session.adapter, spec, f"after corruption the trainer resumed {what_r} instead of "
+                   f"falling back to the newest intact checkpoint (step {previous})", details=details,
+                   extra=f"--corruption={kind}")
+
+
+def check_untrusted(session: Session, spec: RunSpec) -> None:
+    d, files, stop = _copy_prefix(session, spec, "untrusted")
+    marker = d / "UNTRUSTED-CODE-RAN"
+    for f in files:
+        plant_malicious_pickle(f, marker)
+    result = session.runner.run_process(session.adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
+    if marker.exists():
+        raise fail("untrusted_checkpoint", session.adapter, spec,
+                   f"loading the checkpoint of step {stop} ran code embedded in it (weights_only=False "
+                   "or plain pickle on an untrusted file)",
+                   details=f"  replaced: {', '.join(f.name for f in files)}\n  exit code: {result.returncode}")
+
+
+def check_legacy_sample(session: Session, spec: RunSpec, sample: LegacySample) -> None:
+    check = "schema_migration"
+    spec = RunSpec(spec.total_steps, spec.save_every, sample.seed)
+    base = session.baseline(spec)
+    d = session.case_dir("legacy")
+    ckpt = (d / "ckpt").resolve()
+    ckpt.mkdir()
+    src = Path(sample.path)
+    if src.is_dir():
+        shutil.copytree(src, ckpt / sample.name)
+    else:
+        shutil.copy2(src, ckpt / sample.name)
+    result = session.runner.run_process(session.adapter, spec, ckpt, (d / "loss.jsonl").resolve())
+    details = f"  legacy sample: {src} (step {sample.step}, seed {sample.seed})"
+    if result.returncode != 0:
+        raise fail(check, session.adapter, spec, f"resuming from a legacy checkpoint exited {result.returncode}",
+                   details=details + "\n  stderr:\n" + stderr_tail(result.stderr), extra=f"--legacy={sample.name}")
+    r = resume_point(result, spec)
+    if r != sample.step:
+        raise fail(check, session.adapter, spec, f"the legacy checkpoint of step {sample.step} was not used: "
+                   f"the trainer resumed from step {r}", details=details, extra=f"--legacy={sample.name}")
+    rows = loss_mismatches(base.losses, result.losses, session.tol)
+    if rows:
+        raise fail(check, session.adapter, spec, "the run resumed from the migrated checkpoint diverges",
+                   details=details + "\n  first differing steps:\n" + format_mismatches(rows),
+                   extra=f"--legacy={sample.name}")

@@ -1,0 +1,68 @@
+"""Verdicts and the failure messages users read: check id, schedule, first differing steps, and a
+command line that replays exactly this case."""
+from __future__ import annotations
+
+import shlex
+
+from .adapters import TrainerAdapter
+from .crash import Schedule, format_schedule
+from .trials import RunSpec
+
+
+class ConformanceFailure(AssertionError):
+    """A check failed; the message is the report."""
+
+
+def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: float
+                    ) -> list[tuple[int, float | None, float, float]]:
+    """(step, baseline, resumed, |difference|) for every resumed step outside tolerance."""
+    bad = []
+    for step in sorted(resumed):
+        expected = baseline.get(step)
+        if expected is None:
+            bad.append((step, None, resumed[step], float("inf")))
+            continue
+        diff = abs(resumed[step] - expected)
+        if not diff <= tol:  # NaN counts as a mismatch
+            bad.append((step, expected, resumed[step], diff))
+    return bad
+
+
+def format_mismatches(rows, limit: int = 5) -> str:
+    lines = ["    step   baseline          resumed           |diff|"]
+    for step, base, got, diff in rows[:limit]:
+        b = "missing" if base is None else f"{base:.8g}"
+        lines.append(f"    {step:<6} {b:<17} {got:<17.8g} {diff:.3g}")
+    if len(rows) > limit:
+        lines.append(f"    ... {len(rows) - limit} more")
+    return "\n".join(lines)
+
+
+def replay_command(adapter: TrainerAdapter, check: str, spec: RunSpec, schedule: Schedule | None = None,
+                   extra: str = "") -> str:
+    parts = ["python", "-m", "conformance", "replay", adapter.replay_args(), f"--check={check}",
+             f"--total-steps={spec.total_steps}", f"--save-every={spec.save_every}", f"--seed={spec.seed}"]
+    if schedule is not None:
+        parts.append(f"--schedule={format_schedule(schedule)}")
+    if extra:
+        parts.append(extra)
+    return " ".join(p if p.startswith("--") and "=" in p and " " not in p.split("=", 1)[1]
+                    else (p if p.startswith("--") else shlex.quote(p)) for p in parts)
+
+
+def fail(check: str, adapter: TrainerAdapter, spec: RunSpec, problem: str, *, schedule: Schedule | None = None,
+         details: str = "", extra: str = "") -> ConformanceFailure:
+    lines = [f"[{check}] {problem}",
+             f"  trainer:  {adapter.name}",
+             f"  run:      total_steps={spec.total_steps} save_every={spec.save_every} seed={spec.seed}"]
+    if schedule is not None:
+        lines.append(f"  schedule: {format_schedule(schedule)}")
+    if details:
+        lines.append(details.rstrip())
+    lines.append(f"  replay:   {replay_command(adapter, check, spec, schedule, extra)}")
+    return ConformanceFailure("\n".join(lines))
+
+
+def stderr_tail(text: str, n: int = 6) -> str:
+    tail = [line for line in text.strip().splitlines() if line.strip()][-n:]
+    return "\n".join("    | " + line for line in tail) if tail else "    | (no stderr)"

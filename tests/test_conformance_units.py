@@ -1,0 +1,110 @@
+"""Meta-tests of the suite's data types, verdict helpers and corruption tools."""
+import math
+import pickle
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.adapters import command_adapter, python_adapter, resolve
+from conformance.corrupt import bitflip, delete, plant_malicious_pickle, truncate
+from conformance.crash import CrashPoint, format_schedule, parse_schedule
+from conformance.judge import fail, loss_mismatches, replay_command
+from conformance.trials import RunSpec, read_losses
+
+points = st.builds(CrashPoint, st.sampled_from(["step", "fs"]), st.integers(0, 10_000))
+
+
+@given(st.lists(points, max_size=4).map(tuple))
+def test_schedule_text_round_trips(schedule):
+    assert parse_schedule(format_schedule(schedule)) == schedule
+
+
+@pytest.mark.parametrize("bad", ["rename:1", "fs:-1", "fs:x", "step"])
+def test_bad_crash_points_are_refused(bad):
+    with pytest.raises(ValueError):
+        parse_schedule(bad)
+
+
+def test_loss_mismatches_flags_nan_missing_and_large_differences():
+    base = {1: 1.0, 2: 2.0, 3: 3.0}
+    rows = loss_mismatches(base, {1: 1.00001, 2: float("nan"), 3: 3.5, 4: 1.0}, tol=1e-4)
+    assert [r[0] for r in rows] == [2, 3, 4]
+    assert math.isinf(rows[2][3])
+    assert loss_mismatches(base, {1: 1.0, 3: 3.00009}, tol=1e-4) == []
+
+
+def test_read_losses_ignores_a_torn_last_line(tmp_path):
+    log = tmp_path / "loss.jsonl"
+    log.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n{"step": 3, "lo')
+    assert read_losses(log) == {1: 0.5, 2: 0.25}
+
+
+def test_failure_message_has_check_schedule_and_replay_line():
+    adapter = resolve(None, None)
+    exc = fail("no_lost_work", adapter, RunSpec(12, 3, 0), "resumed from scratch",
+               schedule=(CrashPoint("fs", 7),), details="  detail line")
+    text = str(exc)
+    assert text.startswith("[no_lost_work] resumed from scratch")
+    assert "schedule: fs:7" in text and "detail line" in text
+    assert ("replay:   python -m conformance replay --adapter=fixtures.reference_trainer:ADAPTER "
+            "--check=no_lost_work --total-steps=12 --save-every=3 --seed=0 --schedule=fs:7") in text
+
+
+def test_replay_command_quotes_trainer_commands():
+    adapter = command_adapter("python train.py --small")
+    cmd = replay_command(adapter, "no_torn_state", RunSpec(12, 3, 0), (CrashPoint("step", 2),))
+    assert "--trainer-cmd='python train.py --small'" in cmd
+
+
+def test_python_adapter_must_have_run(tmp_path, monkeypatch):
+    (tmp_path / "bad_adapter_mod.py").write_text("ADAPTER = object()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TypeError, match="run"):
+        python_adapter("bad_adapter_mod:ADAPTER")
+    with pytest.raises(ValueError, match="package.module:attribute"):
+        python_adapter("no_colon")
+
+
+def _torch_file(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.full((64,), 0.5), "b": torch.zeros(2)}, path)
+    return path
+
+
+def test_bitflip_hits_tensor_data_and_changes_a_weight_drastically(tmp_path):
+    path = _torch_file(tmp_path)
+    desc = bitflip(path)
+    assert "tensor data" in desc
+    w = torch.load(path, weights_only=True)["w"]  # torch.load does not notice
+    assert w[0].item() > 1e30 or w[0].item() < 1e-30
+    assert torch.all(w[1:] == 0.5)
+
+
+def test_bitflip_falls_back_to_the_middle_of_unknown_files(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(100))
+    assert "middle" in bitflip(path)
+    assert path.read_bytes()[50] == 0x40
+
+
+def test_truncate_and_delete(tmp_path):
+    path = _torch_file(tmp_path)
+    size = path.stat().st_size
+    truncate(path)
+    assert path.stat().st_size == size // 2
+    delete(path)
+    assert not path.exists()
+
+
+def test_malicious_pickle_runs_code_only_without_weights_only(tmp_path):
+    path = _torch_file(tmp_path)
+    marker = tmp_path / "ran"
+    plant_malicious_pickle(path, marker)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+    assert not marker.exists()
+    with pytest.raises(RuntimeError):  # the code runs before torch notices the bad magic number
+        torch.load(path, weights_only=False)  # what a vulnerable trainer does
+    assert marker.exists()
