@@ -109,9 +109,10 @@ def _describe_crashes(outcome: TrialOutcome) -> str:
     lines = []
     for i, c in enumerate(outcome.crashed):
         where = f"inside the save of step {c.in_progress}" if c.in_progress else "outside any save"
+        r = outcome.resume_points[i]
+        resumed = f"next process resumed from step {r}" if r >= 0 else "next process did not resume"
         lines.append(f"  crash {i + 1}: {c.point} = kill on entry to {c.planned_text} ({where}); "
-                     f"newest committed checkpoint then: step {c.newest_committed}; "
-                     f"next process resumed from step {outcome.resume_points[i]}")
+                     f"newest committed checkpoint then: step {c.newest_committed}; {resumed}")
     return "\n".join(lines)
 
 

@@ -10,13 +10,24 @@ import hashlib
 import os
 import re
 import secrets
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Callable, Iterator
 
 # ".<final name>.tmp-<pid>-<16 hex>": the pid lets cleanup leave a live writer's file alone.
-_TEMP_RE = re.compile(r"^\.(?P<final>.+)\.tmp-(?P<pid>\d+)-(?P<token>[0-9a-f]{16})$")
+# ASCII digits only ("\d" would also match other scripts' digits, which int() accepts), and
+# fullmatch: "$" alone also matches before a trailing newline.
+_TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<pid>[0-9]+)-(?P<token>[0-9a-f]{16})", re.DOTALL)
 _SMALL_WRITE = 1 << 20
-_WRITEBACK_CHUNK = 32 << 20
+# Every this many bytes a helper thread fdatasyncs the file while the writer goes on, so the device
+# flushes (the slow part of a durable write, on virtual disks especially) overlap the writing and
+# the final fsync has at most this much left. One flush in flight at a time: the writer waits for
+# the previous one at the next boundary, which bounds dirty data and keeps the count deterministic.
+_FLUSH_EVERY = 64 << 20
+# Writes at least this large are hashed by a helper thread while write(2) copies them (both
+# release the GIL), instead of one after the other.
+_OVERLAP_MIN = 4 << 20
 
 
 def temp_name_for(final: Path) -> Path:
@@ -24,7 +35,7 @@ def temp_name_for(final: Path) -> Path:
 
 
 def is_temp_name(name: str) -> bool:
-    return _TEMP_RE.match(name) is not None
+    return _TEMP_RE.fullmatch(name) is not None
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -39,8 +50,10 @@ class HashingWriter:
     """Binary file-like sink that hashes bytes as they are written (never read back).
 
     Small writes are coalesced into one buffer so a save issues few large write(2) calls; large
-    buffers go straight to the file without a copy. Every 32 MiB it asks the kernel to start
-    writeback so the final fsync has little left to wait for.
+    buffers go straight to the file without a copy, and are hashed by a helper thread while the
+    calling thread writes them (every write(2) stays in the calling thread). Every 64 MiB another
+    helper thread fdatasyncs the file in the background (see _FLUSH_EVERY); finish() waits for it
+    and raises its error, if any. close() stops the helpers.
     """
 
     def __init__(self, fd: int):
@@ -49,6 +62,24 @@ class HashingWriter:
         self._pending = bytearray()
         self._written = 0
         self._flushed_for_writeback = 0
+        self._helper: ThreadPoolExecutor | None = None
+        self._flusher: ThreadPoolExecutor | None = None
+        self._flushing: Future | None = None
+
+    def finish(self) -> None:
+        """Write what is buffered and wait for the background flush; raise if it failed (after a
+        failed fdatasync the kernel may report the next fsync as clean, so it must surface here)."""
+        self._drain()
+        if self._flushing is not None:
+            flushing, self._flushing = self._flushing, None
+            flushing.result()
+
+    def close(self) -> None:
+        """Stop the helper threads (waiting for any work in flight). Does not close the fd."""
+        for pool in (self._helper, self._flusher):
+            if pool is not None:
+                pool.shutdown()
+        self._helper = self._flusher = None
 
     @property
     def bytes_written(self) -> int:
@@ -78,20 +109,33 @@ class HashingWriter:
             self._write_all(memoryview(pending))
 
     def _write_all(self, view: memoryview) -> None:
-        self._hash.update(view)
-        while view.nbytes:
-            n = os.write(self._fd, view)
-            view = view[n:]
-            self._written += n
-        if self._written - self._flushed_for_writeback >= _WRITEBACK_CHUNK:
-            _start_writeback(self._fd, self._flushed_for_writeback, self._written - self._flushed_for_writeback)
+        hashing = None
+        if view.nbytes >= _OVERLAP_MIN:
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hashing-writer")
+            hashing = self._helper.submit(self._hash.update, view)
+        else:
+            self._hash.update(view)
+        try:
+            while view.nbytes:
+                n = os.write(self._fd, view)
+                view = view[n:]
+                self._written += n
+        finally:
+            if hashing is not None:
+                futures_wait([hashing])  # the caller's buffer must outlive its hashing
+        if hashing is not None:
+            hashing.result()
+        if self._written - self._flushed_for_writeback >= _FLUSH_EVERY:
             self._flushed_for_writeback = self._written
+            if self._flushing is not None:
+                self._flushing.result()
+            if self._flusher is None:
+                self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hashing-writer-flush")
+            self._flushing = self._flusher.submit(_fdatasync, self._fd)
 
 
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    # On Linux POSIX_FADV_DONTNEED starts asynchronous writeback of dirty pages in the range.
-    with contextlib.suppress(OSError, AttributeError):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+_fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[HashingWriter], None], *,
@@ -107,8 +151,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[HashingWriter], None]
     try:
         try:
             sink = HashingWriter(fd)
-            write(sink)
-            sink.flush()
+            try:
+                write(sink)
+                sink.finish()
+            finally:
+                sink.close()
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -129,12 +176,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, sync_dir: bool =
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
+    if pid <= 0:
+        return True  # os.kill(0 or -n) signals process groups: never treat that as "dead"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except (PermissionError, OverflowError, ValueError):
+        return True  # exists but not ours, or not a pid this OS can have: leave the file alone
     return True
 
 
@@ -145,7 +194,7 @@ def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
     if not directory.is_dir():
         return removed
     for entry in os.scandir(directory):
-        m = _TEMP_RE.match(entry.name)
+        m = _TEMP_RE.fullmatch(entry.name)
         if m is None or not entry.is_file(follow_symlinks=False):
             continue
         if _pid_alive(int(m.group("pid"))):

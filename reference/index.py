@@ -1,6 +1,12 @@
-"""index.json: the commit point of a sharded checkpoint, and its strict validation."""
+"""index.json: the commit point of a sharded checkpoint, and its strict validation.
+
+Since schema 2 the index carries `index_sha256`, the sha256 of its own canonical JSON encoding
+without that key, so a flipped bit that still parses (a digit of global_step, a letter of a key
+name, the metric) is refused; a change that keeps the content identical (whitespace) is harmless.
+"""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -8,13 +14,25 @@ from pathlib import Path
 from typing import Any
 
 from .errors import IncompleteCheckpointError, InvalidIndexError
-from .schema import check_supported
+from .schema import check_supported, parse_version
 
 INDEX_NAME = "index.json"
 META_NAME = "meta.pt"
 ROLES = ("shard", "meta")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _MAX_INDEX_BYTES = 64 << 20
+CHECKSUM_KEY = "index_sha256"
+
+
+def index_checksum(index: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON encoding of `index` without its checksum key."""
+    body = {k: v for k, v in index.items() if k != CHECKSUM_KEY}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _real_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def build_index(*, schema: str, global_step: int, wall_saved_at: float | None,
@@ -77,6 +95,18 @@ def validate_index(index: Any, directory: Path) -> dict[str, Any]:
                      f"{where} ({name}): parameter(s) listed twice: {sorted(dup or keys)[:3]}")
             seen_keys.update(keys)
     _require(metas == 1, directory, f"exactly one file with role 'meta' is required, found {metas}")
+    if "key_order" in index:
+        order = index["key_order"]
+        _require(isinstance(order, list) and all(isinstance(k, str) for k in order), directory,
+                 "key_order must be a list of strings")
+        _require(len(set(order)) == len(order) and set(order) == seen_keys, directory,
+                 "key_order disagrees with the parameter names listed in the shards")
+    wall = index.get("wall_saved_at")
+    _require(wall is None or _real_number(wall), directory,
+             f"wall_saved_at must be a number or null, got {wall!r}")
+    if "metric" in index:
+        _require(_real_number(index["metric"]), directory,
+                 f"metric must be a number, got {index['metric']!r}")
     root = os.path.realpath(directory)
     for name in seen_names:
         real = os.path.realpath(directory / name)
@@ -98,11 +128,33 @@ def read_index(directory: str | os.PathLike) -> dict[str, Any]:
     if len(raw) > _MAX_INDEX_BYTES:
         raise InvalidIndexError(path, f"larger than {_MAX_INDEX_BYTES} bytes")
     try:
-        index = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        index = json.loads(raw.decode("utf-8"), object_pairs_hook=_object_without_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise InvalidIndexError(path, f"not valid JSON: {exc}") from exc
-    return validate_index(index, directory)
+    if isinstance(index, dict) and CHECKSUM_KEY in index:
+        stored = index[CHECKSUM_KEY]
+        actual = index_checksum(index)
+        if stored != actual:
+            raise InvalidIndexError(path, f"{CHECKSUM_KEY} mismatch: stored {stored!r}, content "
+                                          f"hashes to {actual}; the index was modified or corrupted")
+    validate_index(index, directory)
+    if CHECKSUM_KEY not in index and parse_version(index["schema"]) >= 2:
+        raise InvalidIndexError(path, f"missing key {CHECKSUM_KEY!r} (every {index['schema']} "
+                                      "index carries one)")
+    return index
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r} in a JSON object")
+        obj[key] = value
+    return obj
 
 
 def encode_index(index: dict[str, Any]) -> bytes:
+    """index.json's bytes, sealed with `index_sha256` (recomputed, so edits can be re-sealed)."""
+    if isinstance(index, dict):
+        index = {**index, CHECKSUM_KEY: index_checksum(index)}
     return (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()

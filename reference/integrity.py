@@ -4,6 +4,7 @@ torch.load happily returns flipped tensor bytes, so only a checksum catches a bi
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,12 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
+    if t.numel() <= 1 and t.stride() != (1,):
+        # A 0- or 1-element view (e.g. x[::2] of a 2-vector) counts as contiguous whatever its
+        # stride, so contiguous() keeps the stride and view(uint8) below would refuse it.
+        t = t.clone(memory_format=torch.contiguous_format)
+        if t.stride() != (1,):
+            t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     if t.dtype != torch.uint8:
         t = t.view(torch.uint8)
     return memoryview(t.numpy()).cast("B")
@@ -43,6 +50,44 @@ def sha256_file(path: str | os.PathLike) -> tuple[int, str]:
     return total, h.hexdigest()
 
 
+class SizeChanged(Exception):
+    """The file's size is not the expected one (checked on the open file, and again at EOF)."""
+
+    def __init__(self, actual: int, expected: int):
+        super().__init__(f"size {actual} bytes, expected {expected}")
+        self.actual = actual
+        self.expected = expected
+
+
+def read_hashed(path: str | os.PathLike, expected_size: int) -> tuple[torch.Tensor, str]:
+    """Read a whole file into one freshly allocated 1-D uint8 tensor, hashing each chunk as it
+    arrives: one pass over the disk, and the bytes kept are exactly the bytes hashed (no second
+    read that could see different bytes). Raises SizeChanged if the file is not
+    `expected_size` bytes long."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected_size:
+            raise SizeChanged(size, expected_size)
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        buffer = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buffer.numpy()).cast("B")
+        h = hashlib.sha256()
+        pos = 0
+        while pos < size:
+            n = os.readv(fd, [view[pos:pos + _CHUNK]])
+            if n == 0:
+                raise SizeChanged(pos, expected_size)
+            h.update(view[pos:pos + n])
+            pos += n
+        if os.read(fd, 1):
+            raise SizeChanged(os.fstat(fd).st_size, expected_size)
+        return buffer, h.hexdigest()
+    finally:
+        os.close(fd)
+
+
 def _walk(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
     """Deterministic pre-order walk; yields (path, leaf) and a marker for each container."""
     if isinstance(obj, dict):
@@ -52,6 +97,12 @@ def _walk(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
     elif isinstance(obj, (list, tuple)):
         yield path, (type(obj).__name__, len(obj))
         for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}/{i}")
+    elif isinstance(obj, (set, frozenset)):
+        # Iteration order of a set depends on insertion history and on string hash randomisation
+        # (differs between the saving and the loading process): hash its members in sorted order.
+        yield path, (type(obj).__name__, len(obj))
+        for i, v in enumerate(sorted(obj, key=lambda x: (type(x).__name__, repr(x)))):
             yield from _walk(v, f"{path}/{i}")
     else:
         yield path, obj

@@ -14,7 +14,8 @@ from .errors import SchemaError
 SCHEMA_PREFIX = "reference-checkpoint/"
 CURRENT_VERSION = 2
 CURRENT_SCHEMA = f"{SCHEMA_PREFIX}{CURRENT_VERSION}"
-_SCHEMA_RE = re.compile(r"^reference-checkpoint/(\d+)$")
+# fullmatch with ASCII digits: "$" would accept a trailing newline and "\d" other scripts' digits.
+_SCHEMA_RE = re.compile(r"reference-checkpoint/([0-9]+)")
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 _MIGRATIONS: dict[int, Migration] = {}
@@ -33,7 +34,7 @@ def register_migration(from_version: int) -> Callable[[Migration], Migration]:
 def parse_version(schema: Any, path: str | None = None) -> int:
     if not isinstance(schema, str):
         raise SchemaError(path, f"schema must be a string like {CURRENT_SCHEMA!r}, got {schema!r}")
-    m = _SCHEMA_RE.match(schema)
+    m = _SCHEMA_RE.fullmatch(schema)
     if m is None:
         raise SchemaError(path, f"unknown schema {schema!r}; this library reads {SCHEMA_PREFIX}1 "
                                 f"to {CURRENT_SCHEMA}")

@@ -2,7 +2,7 @@
 hashing, then commit by writing index.json last. Loading verifies every size and hash first.
 
 Layout of one checkpoint directory:
-    model-00000-of-00004.pt ...   parameters and buffers, split round-robin or by group
+    model-00000-of-00004.pt ...   parameters and buffers, split into shards of balanced bytes, or by group
     meta.pt                       everything else: optimizer, scheduler, counters, RNG, ...
     index.json                    schema, names, byte sizes and sha256 of every file (commit point)
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +22,7 @@ import torch
 from .atomic import atomic_write, atomic_write_bytes, fsync_dir, remove_stale_temps
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .index import INDEX_NAME, META_NAME, build_index, encode_index, read_index
-from .integrity import sha256_file
+from .integrity import SizeChanged, read_hashed, sha256_file
 from .loading import safe_torch_load
 from .schema import check_supported, migrate
 
@@ -34,13 +36,31 @@ def by_suffix(key: str) -> str:
 
 
 def plan_shards(keys: list[str], num_shards: int = 2, group_by: GroupBy | str | None = None,
-                ) -> dict[str, list[str]]:
-    """Map shard file name -> parameter keys. Round-robin over `num_shards`, or one shard per
-    group when `group_by` is given ("suffix" or a function key -> group name)."""
+                sizes: dict[str, int] | None = None) -> dict[str, list[str]]:
+    """Map shard file name -> parameter keys, one shard per group when `group_by` is given
+    ("suffix" or a function key -> group name), else `num_shards` shards: balanced by bytes when
+    `sizes` (key -> byte count) is given, round-robin otherwise. Keys keep their order within a
+    shard.
+
+    Balancing matters because shards are written, hashed and read in parallel: round-robin over
+    a model's alternating weight/bias keys puts nearly every weight into one shard."""
     if group_by is None:
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-        plan = {f"model-{i:05d}-of-{num_shards:05d}.pt": keys[i::num_shards] for i in range(num_shards)}
+        if sizes is None:
+            buckets = [keys[i::num_shards] for i in range(num_shards)]
+        else:
+            # Largest first onto the shard with the fewest bytes (then fewest keys): greedy LPT.
+            loads = [(0, 0)] * num_shards
+            owner: dict[str, int] = {}
+            for key in sorted(keys, key=lambda k: -sizes.get(k, 0)):
+                i = min(range(num_shards), key=loads.__getitem__)
+                owner[key] = i
+                loads[i] = (loads[i][0] + sizes.get(key, 0), loads[i][1] + 1)
+            buckets = [[] for _ in range(num_shards)]
+            for key in keys:
+                buckets[owner[key]].append(key)
+        plan = {f"model-{i:05d}-of-{num_shards:05d}.pt": buckets[i] for i in range(num_shards)}
     else:
         fn = by_suffix if group_by == "suffix" else group_by
         if not callable(fn):
@@ -52,8 +72,50 @@ def plan_shards(keys: list[str], num_shards: int = 2, group_by: GroupBy | str | 
     return {name: ks for name, ks in plan.items() if ks}
 
 
+_OWN_FILE_RE = re.compile(r"^model-.+\.pt$")
+
+
 def save_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num_shards: int = 2,
                  group_by: GroupBy | str | None = None, max_workers: int | None = None) -> dict[str, Any]:
+    """Write `payload` as a sharded checkpoint in `directory`; returns the committed index.
+
+    Arguments are checked before anything on disk changes. If the save fails before its commit
+    point (a write error, a full disk, an exception in a writer thread), the files it wrote are
+    removed again, and the directory too if this save created it: nothing is left at a final name.
+    A crash (no chance to clean up) leaves an uncommitted directory that loaders ignore.
+    """
+    check_supported(payload.get("schema"), os.fspath(directory))
+    model = payload.get("model")
+    if not isinstance(model, dict) or not all(isinstance(k, str) for k in model):
+        raise ValueError("payload['model'] must be a dict with string keys (a state dict)")
+    plan_shards(list(model.keys()), num_shards, group_by)  # raises ValueError on bad arguments
+    directory = Path(directory)
+    created = not directory.exists()
+    try:
+        return _write_sharded(payload, directory, num_shards=num_shards, group_by=group_by,
+                              max_workers=max_workers)
+    except BaseException:
+        _discard_uncommitted(directory, created)
+        raise
+
+
+def _discard_uncommitted(directory: Path, created: bool) -> None:
+    """After a failed save: if index.json is absent (nothing was committed), remove what the save
+    wrote. (If the commit itself went through and only the final directory fsync failed, the
+    checkpoint is complete and stays.)"""
+    if not directory.is_dir() or (directory / INDEX_NAME).exists():
+        return
+    if created:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for entry in os.scandir(directory):
+        if entry.name == META_NAME or _OWN_FILE_RE.match(entry.name):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+def _write_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num_shards: int = 2,
+                   group_by: GroupBy | str | None = None, max_workers: int | None = None) -> dict[str, Any]:
     """Write `payload` as a sharded checkpoint in `directory`; returns the committed index.
 
     A crash at any instant leaves either no index.json (incomplete, ignored by loaders) or a
@@ -74,7 +136,9 @@ def save_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num_s
     remove_stale_temps(directory)
 
     model = payload["model"]
-    plan = plan_shards(list(model.keys()), num_shards, group_by)
+    sizes = {k: v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+             for k, v in model.items()}
+    plan = plan_shards(list(model.keys()), num_shards, group_by, sizes=sizes)
     meta = {k: v for k, v in payload.items() if k != "model"}
     jobs: list[tuple[str, str, Any, list[str] | None]] = [
         (name, "shard", {k: model[k] for k in keys}, keys) for name, keys in plan.items()]
@@ -116,6 +180,10 @@ def check_sizes(directory: str | os.PathLike) -> dict[str, Any]:
             st = os.stat(path)
         except FileNotFoundError as exc:
             raise IncompleteCheckpointError(path, "listed in index.json but missing") from exc
+        except OSError as exc:
+            raise CorruptCheckpointError(path, f"cannot stat: {exc}") from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(path, "listed in index.json but not a regular file")
         if st.st_size != entry["bytes"]:
             raise CorruptCheckpointError(path, f"size {st.st_size} bytes, index.json says {entry['bytes']}")
     return index
@@ -128,7 +196,12 @@ def verify_sharded(directory: str | os.PathLike, *, max_workers: int | None = No
 
     def hash_one(entry):
         path = directory / entry["name"]
-        _, digest = sha256_file(path)
+        try:
+            _, digest = sha256_file(path)
+        except FileNotFoundError as exc:
+            raise IncompleteCheckpointError(path, "listed in index.json but missing") from exc
+        except OSError as exc:
+            raise CorruptCheckpointError(path, f"cannot read: {exc}") from exc
         if digest != entry["sha256"]:
             raise CorruptCheckpointError(path, f"sha256 mismatch: index.json says {entry['sha256']}, "
                                                f"file has {digest}")
@@ -143,16 +216,52 @@ def verify_sharded(directory: str | os.PathLike, *, max_workers: int | None = No
     return index
 
 
+def _read_verified(directory: Path, index: dict[str, Any], *, max_workers: int | None = None,
+                   ) -> dict[str, torch.Tensor]:
+    """Name -> the file's bytes, for every file of the index, each read once (hashed while being
+    read) and checked against its size and sha256. Raises before returning anything."""
+    def read_one(entry):
+        path = directory / entry["name"]
+        try:
+            buffer, digest = read_hashed(path, entry["bytes"])
+        except FileNotFoundError as exc:
+            raise IncompleteCheckpointError(path, "listed in index.json but missing") from exc
+        except SizeChanged as exc:
+            raise CorruptCheckpointError(path, f"size {exc.actual} bytes, index.json says {entry['bytes']}") from exc
+        except OSError as exc:
+            raise CorruptCheckpointError(path, f"cannot read: {exc}") from exc
+        if digest != entry["sha256"]:
+            raise CorruptCheckpointError(path, f"sha256 mismatch: index.json says {entry['sha256']}, "
+                                               f"file has {digest}")
+        return entry["name"], buffer
+
+    files = sorted(index["files"], key=lambda e: -e["bytes"])  # largest first: balanced threads
+    workers = max_workers or min(len(files), os.cpu_count() or 1)
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return dict(pool.map(read_one, files))
+    return dict(read_one(entry) for entry in files)
+
+
 def load_sharded(directory: str | os.PathLike, map_location=None, *, verify: bool = True,
                  migrate_schema: bool = True, max_workers: int | None = None) -> dict[str, Any]:
-    """Verify (unless told not to), load every file with weights_only=True, merge, migrate."""
+    """Verify (unless told not to), load every file with weights_only=True, merge, migrate.
+
+    With `verify`, every file is read once into memory, hashing as it is read, and every size and
+    sha256 is checked before anything is deserialized; the tensors then share that memory."""
     directory = Path(directory)
-    index = verify_sharded(directory, max_workers=max_workers) if verify else read_index(directory)
+    buffers: dict[str, torch.Tensor] = {}
+    if verify:
+        index = check_sizes(directory)
+        buffers = _read_verified(directory, index, max_workers=max_workers)
+    else:
+        index = read_index(directory)
     meta_entry = next(e for e in index["files"] if e["role"] == "meta")
     shards = [e for e in index["files"] if e["role"] == "shard"]
 
     def load_one(entry):
-        return entry, safe_torch_load(directory / entry["name"], map_location=map_location)
+        return entry, safe_torch_load(directory / entry["name"], map_location=map_location,
+                                      buffer=buffers.pop(entry["name"], None))
 
     workers = max_workers or min(len(index["files"]), os.cpu_count() or 1)
     with (ThreadPoolExecutor(max_workers=workers) if workers > 1 else contextlib.nullcontext()) as pool:
@@ -169,7 +278,7 @@ def load_sharded(directory: str | os.PathLike, map_location=None, *, verify: boo
     else:
         model = merged
     meta_path = directory / meta_entry["name"]
-    meta = safe_torch_load(meta_path, map_location=map_location)
+    meta = safe_torch_load(meta_path, map_location=map_location, buffer=buffers.pop(meta_entry["name"], None))
     if not isinstance(meta, dict):
         raise CorruptCheckpointError(meta_path, f"expected a dict, found {type(meta).__name__}")
     if meta.get("schema") != index["schema"]:
