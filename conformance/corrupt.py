@@ -19,21 +19,21 @@ def truncate(path: Path) -> str:
     return f"truncated {path.name} from {size} to {size // 2} bytes"
 
 
-def _zip_tensor_offset(path: Path) -> tuple[int, int] | None:
-    """(offset, length) of the largest tensor-data record in a torch zip checkpoint."""
+def _zip_tensor_offsets(path: Path) -> list[tuple[int, int]]:
+    """(offset, length) of every tensor-data record in a torch zip checkpoint."""
     try:
         with zipfile.ZipFile(path) as zf:
             records = [i for i in zf.infolist() if "/data/" in i.filename and i.file_size >= 4]
-            if not records:
-                return None
-            rec = max(records, key=lambda i: i.file_size)
     except (zipfile.BadZipFile, OSError):
-        return None
+        return []
+    found = []
     with open(path, "rb") as f:
-        f.seek(rec.header_offset)
-        header = f.read(30)
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return rec.header_offset + 30 + name_len + extra_len, rec.file_size
+        for rec in records:
+            f.seek(rec.header_offset)
+            header = f.read(30)
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            found.append((rec.header_offset + 30 + name_len + extra_len, rec.file_size))
+    return found
 
 
 def _safetensors_offset(path: Path) -> tuple[int, int] | None:
@@ -56,21 +56,23 @@ def _safetensors_offset(path: Path) -> tuple[int, int] | None:
 
 
 def bitflip(path: Path) -> str:
-    """Flip the top exponent bit of the first float32 of the largest tensor: a weight becomes
-    ~1e38 or ~1e-38, which no silent load can hide from the loss curve."""
-    located = _zip_tensor_offset(path) or _safetensors_offset(path)
-    if located is not None:
-        offset = located[0] + 3  # little-endian float32: byte 3 holds sign + 7 exponent bits
-        where = "tensor data"
-    else:
-        offset = path.stat().st_size // 2
-        where = "middle of file"
+    """Flip the top exponent bit of the first float32 of every tensor in the file: each such
+    weight becomes ~1e38 or ~1e-38, which no silent load can hide from the loss curve (a single
+    flip could land in state the curve never reads, such as an RNG seed field)."""
+    located = _zip_tensor_offsets(path)
+    if not located:
+        one = _safetensors_offset(path)
+        located = [one] if one else []
+    # little-endian float32: byte 3 holds sign + 7 exponent bits
+    offsets = [offset + 3 for offset, _ in located] or [path.stat().st_size // 2]
+    where = f"{len(located)} tensor record(s)" if located else "middle of file"
     with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x40]))
-    return f"flipped bit 0x40 at byte {offset} of {path.name} ({where})"
+        for offset in offsets:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ 0x40]))
+    return f"flipped bit 0x40 of byte 3 in {where} of {path.name}"
 
 
 def delete(path: Path) -> str:

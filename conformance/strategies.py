@@ -9,23 +9,48 @@ from .trials import Baseline
 CADENCES = (3, 4)   # with the bundled trainer's 5 batches per epoch, both save mid-epoch
 
 
+# Hypothesis starts from, and shrinks towards, the first element of a sampled list. The lists
+# below are ordered so that the first examples are the most telling: a resume from a mid-run,
+# mid-epoch checkpoint with steps left to compare, rather than a kill before anything was saved.
+
+def _middle_save(baseline: Baseline) -> int:
+    n, total = baseline.spec.save_every, baseline.spec.total_steps
+    saves = list(range(n, total, n))
+    return saves[len(saves) // 2] if saves else 0
+
+
 def step_points(baseline: Baseline) -> st.SearchStrategy[CrashPoint]:
-    last = baseline.spec.total_steps - 1
-    return st.integers(1, max(1, last)).map(lambda k: CrashPoint("step", k))
+    last = max(1, baseline.spec.total_steps - 1)
+    pivot = _middle_save(baseline) + 1
+    ordered = sorted(range(1, last + 1), key=lambda k: (k < pivot, abs(k - pivot)))
+    return st.sampled_from(ordered).map(lambda k: CrashPoint("step", k))
+
+
+def _ordered_fs(baseline: Baseline, only_inside: bool) -> list[int]:
+    targetable = baseline.crash_points()
+    windows = baseline.save_windows()
+    owner = {i: step for step, idxs in windows.items() for i in idxs}
+    pivot = _middle_save(baseline)
+    ordinals = [k for k, i in enumerate(targetable) if not only_inside or owner.get(i, 0)]
+    if not ordinals:
+        ordinals = list(range(len(targetable)))
+    # The middle save's operations first, from the middle of that save outwards (where a save is
+    # most likely to be half done: old state gone or new state partial), then later saves, then
+    # earlier ones.
+    in_pivot = [k for k in ordinals if owner.get(targetable[k], 0) == pivot]
+    centre = (in_pivot[0] + in_pivot[-1]) / 2 if in_pivot else 0
+    return sorted(ordinals, key=lambda k: (owner.get(targetable[k], 0) != pivot,
+                                           owner.get(targetable[k], 0) < pivot,
+                                           abs(k - centre) if k in in_pivot else k))
 
 
 def fs_points(baseline: Baseline) -> st.SearchStrategy[CrashPoint]:
-    n = len(baseline.crash_points())
-    return st.integers(0, max(0, n - 1)).map(lambda i: CrashPoint("fs", i))
+    return st.sampled_from(_ordered_fs(baseline, False) or [0]).map(lambda i: CrashPoint("fs", i))
 
 
 def in_save_points(baseline: Baseline) -> st.SearchStrategy[CrashPoint]:
     """fs points that fall inside a save (after some step was logged), where torn state lives."""
-    windows = baseline.save_windows()
-    inside = {i for step, idxs in windows.items() if step for i in idxs}
-    targetable = baseline.crash_points()
-    ordinals = [k for k, i in enumerate(targetable) if i in inside] or list(range(len(targetable)))
-    return st.sampled_from(ordinals).map(lambda k: CrashPoint("fs", k))
+    return st.sampled_from(_ordered_fs(baseline, True) or [0]).map(lambda k: CrashPoint("fs", k))
 
 
 def later_points() -> st.SearchStrategy[CrashPoint]:
@@ -35,6 +60,6 @@ def later_points() -> st.SearchStrategy[CrashPoint]:
 
 
 def schedules(baseline: Baseline, *, max_crashes: int = 2) -> st.SearchStrategy[Schedule]:
-    first = st.one_of(fs_points(baseline), step_points(baseline))
+    first = st.one_of(step_points(baseline), fs_points(baseline))
     rest = st.lists(later_points(), max_size=max_crashes - 1)
     return st.tuples(first, rest).map(lambda fr: (fr[0], *fr[1]))
