@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 from .adapters import LegacySample, TrainerAdapter
@@ -14,7 +13,7 @@ from .corrupt import corrupt, plant_malicious_pickle
 from .crash import Schedule
 from .judge import fail, format_mismatches, loss_mismatches, stderr_tail
 from .scenario import TrialOutcome, resume_point, run_schedule
-from .trials import Baseline, RunSpec, SubprocessRunner, WarmRunner, traced_run
+from .trials import Baseline, RunSpec, WarmRunner, traced_run
 
 CHECK_IDS = ("determinism_precondition", "resume_matches_baseline", "no_lost_work", "no_torn_state",
              "corruption_detected", "untrusted_checkpoint", "schema_migration")
@@ -37,7 +36,6 @@ class Session:
         self._baselines: dict[tuple, Baseline] = {}
         self._determinism: dict[RunSpec, str | None] = {}
         self._prefixes: dict[RunSpec, tuple[Baseline, int]] = {}
-        self._lock = threading.Lock()
 
     def close(self) -> None:
         close = getattr(self.runner, "close", None)

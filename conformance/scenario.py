@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from .adapters import TrainerAdapter
-from .crash import CrashPoint, Schedule, format_schedule
+from .crash import CrashPoint, Schedule
 from .tracing import Event
 from .trials import Baseline, ProcessResult, RunSpec, injection_for, traced_run
 from .tracing import killed_at, strace_prefix
@@ -102,10 +102,10 @@ def run_schedule(runner, adapter: TrainerAdapter, spec: RunSpec, schedule: Sched
         result.killed = True
         if point.kind == "fs":
             kill_index = own.events.index(planned)
-            step, window = _window_of(own, kill_index)
+            step, _ = _window_of(own, kill_index)
             finished = [s for s, idxs in own.save_windows().items()
                         if s and idxs and max(idxs) < kill_index]
-            in_progress = step if step and kill_index in window else None
+            in_progress = step or None
         else:
             finished = [s for s, idxs in own.save_windows().items() if s and idxs and s <= point.index]
             in_progress = None

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 MUTATING_SYSCALLS = (
@@ -26,10 +25,6 @@ _CREATE_FLAGS = ("O_CREAT", "O_TRUNC")
 _LINE_RE = re.compile(r"^(?P<tid>\d+)\s+(?P<call>[a-z0-9_]+)\((?P<args>.*?)(?:\)\s+=\s+(?P<ret>.*)| <unfinished \.\.\.>)$")
 _FD_PATH_RE = re.compile(r"^-?\w+<(?P<path>[^>]*)>")
 _STRING_RE = re.compile(r'"((?:[^"\\]|\\.)*)"')
-
-
-class StraceUnavailable(RuntimeError):
-    """strace is missing or ptrace is not permitted here."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -217,7 +212,3 @@ def killed_at(trace_text: str, syscall: str) -> tuple[str, ...] | None:
             if call == syscall:
                 return tuple(_paths_of(call, args)[0])
     return None
-
-
-def scratch_dir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix))

@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 
 from .adapters import TrainerAdapter
-from .crash import CrashPoint, Schedule, format_schedule
-from .tracing import Event, Trace, killed_at, strace_prefix
+from .crash import CrashPoint
+from .tracing import Event, Trace, strace_prefix
 
 PROCESS_TIMEOUT_S = float(os.environ.get("CONFORMANCE_PROCESS_TIMEOUT", "300"))
 
@@ -93,6 +93,7 @@ class Baseline:
     step_writes: dict[int, Event]  # step k -> the write that logged it
     ckpt_dir: Path
     trace: Trace
+    _windows: dict[int, list[int]] | None = dataclasses.field(default=None, repr=False)
 
     def crash_points(self) -> list[int]:
         """Indices into `events` that a syscall-level injection can hit exactly."""
@@ -104,17 +105,19 @@ class Baseline:
 
     def save_windows(self) -> dict[int, list[int]]:
         """Step s -> indices (into `events`) of mutations between logging s and logging s+1."""
-        windows: dict[int, list[int]] = {}
-        bounds = sorted((ev.seq, step) for step, ev in self.step_writes.items())
-        for i, ev in enumerate(self.events):
-            owner = 0
-            for seq, step in bounds:
-                if seq < ev.seq:
-                    owner = step
-                else:
-                    break
-            windows.setdefault(owner, []).append(i)
-        return windows
+        if self._windows is None:
+            windows: dict[int, list[int]] = {}
+            bounds = sorted((ev.seq, step) for step, ev in self.step_writes.items())
+            for i, ev in enumerate(self.events):
+                owner = 0
+                for seq, step in bounds:
+                    if seq < ev.seq:
+                        owner = step
+                    else:
+                        break
+                windows.setdefault(owner, []).append(i)
+            self._windows = windows
+        return self._windows
 
 
 def traced_run(runner, adapter: TrainerAdapter, spec: RunSpec, workdir: Path, *, tag: str = "baseline",
@@ -154,10 +157,6 @@ def injection_for(point: CrashPoint, baseline: Baseline) -> tuple[tuple[str, int
             return None
         ev = baseline.events[points[point.index % len(points)]]
     return (ev.syscall, ev.nth), ev
-
-
-def describe_schedule(schedule: Schedule) -> str:
-    return format_schedule(schedule)
 
 
 class WarmRunner:
