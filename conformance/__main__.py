@@ -1,12 +1,16 @@
-"""Command line: `python -m conformance replay ...` replays one case from a failure message.
+"""Command line.
 
     python -m conformance replay --adapter=pkg.mod:ADAPTER --check=no_lost_work \
-        --total-steps=12 --save-every=3 --seed=0 --schedule=fs:7
+        --total-steps=14 --save-every=3 --seed=0 --schedule=fs:7      # one case, from a failure message
+    python -m conformance report conformance-report/report.json       # re-render a saved report
+    python -m conformance soak --runs 5                                # the ci profile N times ("no crying wolf")
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from . import checks
 from .adapters import resolve
@@ -47,6 +51,66 @@ def _replay(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from . import report
+    try:
+        loaded = report.load_report(args.path)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    text = report.render_markdown(loaded) if args.format == "markdown" else json.dumps(loaded, indent=1) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    bad = loaded.get("counts", {})
+    return 1 if bad.get("failed") or bad.get("error") else 0
+
+
+def _soak(args) -> int:
+    """Run the gate (`ci` profile) N times per correct trainer; any failure is a flaky check."""
+    import subprocess
+    import tempfile
+    import time
+
+    from . import report
+    adapters = args.adapter or _default_correct_trainers()
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="conformance-soak-"))
+    failures: list[str] = []
+    rows = []
+    for spec in adapters:
+        for i in range(1, args.runs + 1):
+            run_dir = out_dir / f"{spec.replace(':', '.').replace('/', '_')}-run{i}"
+            cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
+                   f"--adapter={spec}", f"--hypothesis-profile={args.profile}", f"--conformance-report={run_dir}",
+                   f"--basetemp={run_dir / 'tmp'}", *(["-n", args.workers] if args.workers != "0" else [])]
+            start = time.monotonic()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            seconds = time.monotonic() - start
+            try:
+                loaded = report.load_report(run_dir / "report.json")
+                bad = [c for c in loaded["cases"] if c["outcome"] in ("failed", "error")]
+                counts = loaded["counts"]
+            except ValueError as exc:
+                bad, counts = [{"check": "(no report)", "message": f"{exc}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"}], {}
+            for case in bad:
+                first = (case.get("message") or "").strip().splitlines()
+                failures.append(f"{spec} run {i}: {case['check']}: {first[0] if first else ''}")
+            rows.append((spec, i, seconds, counts, len(bad)))
+            print(f"{spec} run {i}/{args.runs}: {len(bad)} failure(s), {counts} in {seconds:.0f}s", flush=True)
+    total = len(rows)
+    print(f"\nsoak: {total} run(s) of the '{args.profile}' profile against {len(adapters)} trainer(s); "
+          f"{sum(r[4] > 0 for r in rows)} run(s) with failures. Reports under {out_dir}")
+    for line in failures:
+        print(f"  FAIL {line}")
+    return 1 if failures else 0
+
+
+def _default_correct_trainers() -> list[str]:
+    from fixtures import CORRECT_TRAINERS
+    return list(CORRECT_TRAINERS)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,9 +125,24 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--corruption")
     rp.add_argument("--legacy")
     rp.add_argument("--loss-tol", type=float, default=checks.DEFAULT_TOL)
+    rep = sub.add_parser("report", help="render a saved report.json (exit 1 if it holds failures)")
+    rep.add_argument("path", help="report.json written by --conformance-report")
+    rep.add_argument("--format", choices=("markdown", "json"), default="markdown")
+    rep.add_argument("--out", help="write here instead of stdout")
+    so = sub.add_parser("soak", help="run the gate N times against correct trainers; report any failure")
+    so.add_argument("--runs", type=int, default=3)
+    so.add_argument("--adapter", action="append", help="adapter to soak (repeatable); default: the "
+                    "project's correct trainers")
+    so.add_argument("--profile", default="ci")
+    so.add_argument("--workers", default="auto", help="pytest-xdist -n value ('0' for none)")
+    so.add_argument("--out", help="directory for the runs' reports")
     args = parser.parse_args(argv)
+    if args.command == "soak":
+        return _soak(args)
     if args.command == "replay":
         return _replay(args)
+    if args.command == "report":
+        return _report(args)
     return 2
 
 

@@ -38,6 +38,7 @@ class TrainerAdapter:
     capabilities: frozenset[str] = frozenset({"syscall_crash"})
     legacy_samples: tuple[LegacySample, ...] = ()
     spec: str = ""          # how to name it again on a command line (for replay)
+    version: str = ""       # the trainer's own version, shown in reports
 
     def has(self, capability: str) -> bool:
         if capability == "legacy_samples":
@@ -85,7 +86,8 @@ def python_adapter(spec: str) -> TrainerAdapter:
                          f"known: {sorted(KNOWN_CAPABILITIES)}")
     samples = tuple(getattr(obj, "legacy_samples", ()) or ())
     return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.child", spec),
-                          capabilities=caps, legacy_samples=samples, spec=spec)
+                          capabilities=caps, legacy_samples=samples, spec=spec,
+                          version=str(getattr(obj, "version", "") or ""))
 
 
 def resolve(adapter: str | None, trainer_cmd: str | None) -> TrainerAdapter:

@@ -8,10 +8,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from . import report
 from .adapters import LegacySample, TrainerAdapter
 from .corrupt import corrupt, plant_malicious_pickle
-from .crash import Schedule
+from .crash import Schedule, format_schedule
 from .judge import fail, format_mismatches, loss_mismatches, stderr_tail
+from .plots import plot_name, plot_resume
 from .scenario import TrialOutcome, resume_point, run_schedule
 from .trials import Baseline, RunSpec, WarmRunner, traced_run
 
@@ -28,13 +30,15 @@ class Session:
     """Per-process cache of baselines (one traced uninterrupted run per adapter and spec)."""
 
     def __init__(self, adapter: TrainerAdapter, workdir: Path | None = None, runner=None,
-                 tol: float = DEFAULT_TOL):
+                 tol: float = DEFAULT_TOL, plot_dir: Path | None = None):
         self.adapter = adapter
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="conformance-"))
+        self.plot_dir = Path(plot_dir) if plot_dir else self.workdir / "plots"
         self.runner = runner or WarmRunner()
         self.tol = tol
         self._baselines: dict[tuple, Baseline] = {}
         self._determinism: dict[RunSpec, str | None] = {}
+        self._determinism_numbers: dict[RunSpec, dict] = {}
         self._prefixes: dict[RunSpec, tuple[Baseline, int]] = {}
 
     def close(self) -> None:
@@ -68,6 +72,13 @@ class Session:
             (d / "ckpt").mkdir()
             again = self.runner.run_process(self.adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
             rows = loss_mismatches(base.losses, again.losses, self.tol)
+            worst = report.max_abs_diff(base.losses, again.losses)
+            self._determinism_numbers[spec] = dict(
+                spec=dict(total_steps=spec.total_steps, save_every=spec.save_every, seed=spec.seed),
+                exit_codes=[base.result.returncode, again.returncode], steps=len(base.losses),
+                max_abs_diff=worst, tolerance=self.tol, mismatches=report.mismatch_rows(rows[:10]),
+                summary=f"two uninterrupted runs, {len(base.losses)} steps, max |diff| "
+                        + (f"{worst:.3g}" if worst is not None else "n/a"))
             problem = None
             if again.returncode != 0:
                 problem = f"a second uninterrupted run exited {again.returncode}\n" + stderr_tail(again.stderr)
@@ -92,6 +103,7 @@ class Session:
 # -- determinism ----------------------------------------------------------------------------------
 def check_determinism(session: Session, spec: RunSpec) -> None:
     problem = session.determinism_problem(spec)
+    report.record("determinism", **session._determinism_numbers.get(spec, {}))
     if problem:
         raise fail("determinism_precondition", session.adapter, spec, problem.splitlines()[0],
                    details="\n".join(problem.splitlines()[1:]))
@@ -101,6 +113,55 @@ def check_determinism(session: Session, spec: RunSpec) -> None:
 def run_trial(session: Session, spec: RunSpec, schedule: Schedule) -> TrialOutcome:
     return run_schedule(session.runner, session.adapter, spec, schedule, session.case_dir("trial"),
                         session.baseline(spec))
+
+
+def plot_mismatch(session: Session, check: str, spec: RunSpec, *, schedule: Schedule | None = None,
+                  extra: str = "", resumed: list[tuple[str, dict[int, float]]],
+                  crashes: list[tuple[str, float]] = (), resumes: list[int] = ()) -> str:
+    """Plot baseline vs resumed curves; returns the failure-message line naming the PNG."""
+    path = session.plot_dir / plot_name(check, session.adapter.name, schedule, extra)
+    title = (f"[{check}] {session.adapter.name}  total_steps={spec.total_steps} save_every={spec.save_every} "
+             f"seed={spec.seed}" + (f"  schedule {format_schedule(schedule)}" if schedule is not None else "")
+             + (f"  {extra}" if extra else ""))
+    try:
+        written = plot_resume(path, title=title, baseline=session.baseline(spec).losses, resumed=resumed,
+                              crashes=list(crashes), resumes=list(resumes))
+    except Exception as exc:  # a plot must never hide the verdict
+        written = f"not written: {exc!r}"
+    if isinstance(written, Path):
+        report.record("plot", path=str(written))
+        return f"  plot:     {written}"
+    return f"  plot:     {written}"
+
+
+def _plot_trial(session: Session, check: str, outcome: TrialOutcome) -> str:
+    resumed = [(f"process 1 (killed at {outcome.crashed[0].point})", outcome.crashed[0].result.losses)]
+    resumed += outcome.all_losses() if outcome.crashed else []
+    crashes = []
+    for i, c in enumerate(outcome.crashed):
+        start = 0 if i == 0 else max(outcome.resume_points[i - 1], 0)
+        crashes.append((str(c.point), max(c.result.losses, default=start) + 0.5))
+    return plot_mismatch(session, check, outcome.spec, schedule=outcome.schedule, resumed=resumed,
+                         crashes=crashes, resumes=outcome.resume_points)
+
+
+def _record_trial(session: Session, check: str, outcome: TrialOutcome) -> None:
+    base = session.baseline(outcome.spec).losses
+    compared, worst, rows = 0, None, []
+    for _, losses in outcome.all_losses():
+        compared += len(losses)
+        d = report.max_abs_diff(base, losses)
+        if d is not None:
+            worst = d if worst is None else max(worst, d)
+        rows += loss_mismatches(base, losses, session.tol)
+    report.record("trial", check=check, schedule=format_schedule(outcome.schedule),
+                  spec=dict(total_steps=outcome.spec.total_steps, save_every=outcome.spec.save_every,
+                            seed=outcome.spec.seed),
+                  crashes=[dict(point=str(c.point), planned=c.planned_text, inside_save_of=c.in_progress,
+                                newest_committed=c.newest_committed, resumed_from=r)
+                           for c, r in zip(outcome.crashed, outcome.resume_points)],
+                  final_exit=outcome.final.returncode, steps_compared=compared, max_abs_diff=worst,
+                  tolerance=session.tol, mismatches=report.mismatch_rows(rows[:10]))
 
 
 def _describe_crashes(outcome: TrialOutcome) -> str:
@@ -127,7 +188,8 @@ def judge_resume_matches_baseline(session: Session, outcome: TrialOutcome) -> No
             raise fail("resume_matches_baseline", session.adapter, spec,
                        f"{who}: loss differs from the uninterrupted run at {len(rows)} step(s) "
                        f"(tolerance {session.tol:g})", schedule=outcome.schedule,
-                       details=_describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows))
+                       details=_describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)
+                       + "\n" + _plot_trial(session, "resume_matches_baseline", outcome))
     last = max([s for _, l in outcome.all_losses() for s in l] + [outcome.resume_points[-1]])
     if last < spec.total_steps:
         raise fail("resume_matches_baseline", session.adapter, spec,
@@ -173,7 +235,8 @@ def judge_no_torn_state(session: Session, outcome: TrialOutcome) -> None:
             raise fail("no_torn_state", session.adapter, outcome.spec,
                        f"after a kill inside the save of step {c.in_progress} the trainer resumed from "
                        f"step {r} and its losses differ: it loaded incomplete state", schedule=outcome.schedule,
-                       details=_describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows))
+                       details=_describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)
+                       + "\n" + _plot_trial(session, "no_torn_state", outcome))
 
 
 JUDGES = {"resume_matches_baseline": judge_resume_matches_baseline, "no_lost_work": judge_no_lost_work,
@@ -182,6 +245,7 @@ JUDGES = {"resume_matches_baseline": judge_resume_matches_baseline, "no_lost_wor
 
 def check_schedule(session: Session, check: str, spec: RunSpec, schedule: Schedule) -> TrialOutcome:
     outcome = run_trial(session, spec, schedule)
+    _record_trial(session, check, outcome)
     JUDGES[check](session, outcome)
     return outcome
 
@@ -220,17 +284,25 @@ def check_corruption(session: Session, spec: RunSpec, kind: str) -> None:
     base = session.baseline(spec)
     previous = stop - spec.save_every
     details = f"  corruption: {what} (newest checkpoint: step {stop})"
+    r = resume_point(result, spec)
+    worst = report.max_abs_diff(base.losses, result.losses)
+    report.record("corruption", corruption=kind, file=target.name, what=what, newest_step=stop,
+                  exit_code=result.returncode, resumed_from=r, max_abs_diff=worst,
+                  summary=f"{kind} {target.name}: exit {result.returncode}, "
+                          + (f"resumed from step {r}" if result.returncode == 0 else "refused to resume"))
     if result.returncode != 0:
         if not result.stderr.strip():
             raise fail(check, session.adapter, spec, f"after corruption the trainer exited "
                        f"{result.returncode} without a message on stderr", details=details, extra=f"--corruption={kind}")
         return
-    r = resume_point(result, spec)
     rows = loss_mismatches(base.losses, result.losses, session.tol)
     if rows:
+        plot = plot_mismatch(session, check, spec, extra=f"corruption={kind}",
+                             resumed=[(f"resumed after {kind} of {target.name}", result.losses)], resumes=[r])
         raise fail(check, session.adapter, spec, f"the trainer loaded a corrupted checkpoint without noticing "
                    f"(resumed from step {r}, exit 0) and its loss curve diverges", details=details +
-                   "\n  first differing steps:\n" + format_mismatches(rows), extra=f"--corruption={kind}")
+                   "\n  first differing steps:\n" + format_mismatches(rows) + "\n" + plot,
+                   extra=f"--corruption={kind}")
     if r < previous:
         what_r = "from scratch" if r == 0 else f"from step {r}"
         raise fail(check, session.adapter, spec, f"after corruption the trainer resumed {what_r} instead of "
@@ -244,6 +316,10 @@ def check_untrusted(session: Session, spec: RunSpec) -> None:
     for f in files:
         plant_malicious_pickle(f, marker)
     result = session.runner.run_process(session.adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
+    report.record("untrusted", files=[f.name for f in files], code_ran=marker.exists(),
+                  exit_code=result.returncode, resumed_from=resume_point(result, spec),
+                  summary=f"{len(files)} file(s) replaced by a code-running pickle: code "
+                          + ("RAN" if marker.exists() else "did not run") + f", exit {result.returncode}")
     if marker.exists():
         raise fail("untrusted_checkpoint", session.adapter, spec,
                    f"loading the checkpoint of step {stop} ran code embedded in it (weights_only=False "
@@ -265,15 +341,21 @@ def check_legacy_sample(session: Session, spec: RunSpec, sample: LegacySample) -
         shutil.copy2(src, ckpt / sample.name)
     result = session.runner.run_process(session.adapter, spec, ckpt, (d / "loss.jsonl").resolve())
     details = f"  legacy sample: {src} (step {sample.step}, seed {sample.seed})"
+    r = resume_point(result, spec)
+    worst = report.max_abs_diff(base.losses, result.losses)
+    report.record("legacy", sample=sample.name, step=sample.step, seed=sample.seed, exit_code=result.returncode,
+                  resumed_from=r, max_abs_diff=worst,
+                  summary=f"{sample.name}: exit {result.returncode}, resumed from step {r}")
     if result.returncode != 0:
         raise fail(check, session.adapter, spec, f"resuming from a legacy checkpoint exited {result.returncode}",
                    details=details + "\n  stderr:\n" + stderr_tail(result.stderr), extra=f"--legacy={sample.name}")
-    r = resume_point(result, spec)
     if r != sample.step:
         raise fail(check, session.adapter, spec, f"the legacy checkpoint of step {sample.step} was not used: "
                    f"the trainer resumed from step {r}", details=details, extra=f"--legacy={sample.name}")
     rows = loss_mismatches(base.losses, result.losses, session.tol)
     if rows:
+        plot = plot_mismatch(session, check, spec, extra=f"legacy={sample.name}",
+                             resumed=[(f"resumed from {sample.name}", result.losses)], resumes=[r])
         raise fail(check, session.adapter, spec, "the run resumed from the migrated checkpoint diverges",
-                   details=details + "\n  first differing steps:\n" + format_mismatches(rows),
+                   details=details + "\n  first differing steps:\n" + format_mismatches(rows) + "\n" + plot,
                    extra=f"--legacy={sample.name}")

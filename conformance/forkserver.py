@@ -71,6 +71,12 @@ def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
 
 def serve(preload: list[str]) -> None:
     import torch  # noqa: F401  (import only: no tensor op, no CUDA call before forking)
+    try:
+        # torch imports dynamo lazily on the first optimizer construction: seconds per child
+        # unless the parent has imported it (import only; it starts no thread).
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:
+        print(f"forkserver: cannot preload torch._dynamo: {exc!r}", file=sys.stderr)
     for module in preload:
         try:
             importlib.import_module(module)

@@ -22,7 +22,8 @@ from .strategies import CADENCES, fs_points, in_save_points, schedules, step_poi
 from .tracing import strace_problem
 from .trials import RunSpec
 
-TOTAL_STEPS = 12
+# Long enough for a checkpoint at a two-digit step with steps after it (ckpt-9 vs ckpt-12).
+TOTAL_STEPS = 14
 SEED = 0
 _SLOW_OK = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                           HealthCheck.function_scoped_fixture])

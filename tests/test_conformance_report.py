@@ -1,0 +1,181 @@
+"""Reports, plots, expected failures and the report/soak commands."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from conformance import expected, report
+from conformance.plots import plot_name, plot_resume
+from conformance.tracing import strace_problem
+
+REPO = Path(__file__).resolve().parents[1]
+needs_strace = pytest.mark.skipif(strace_problem() is not None, reason=f"strace unusable: {strace_problem()}")
+
+
+# -- expected-failures file -----------------------------------------------------------------------
+def test_expected_failures_parse_match_and_unmatched(tmp_path):
+    f = tmp_path / "xfail.txt"
+    f.write_text("# comment\n\nresume_matches_baseline : RNG not saved yet  # JIRA-1\n"
+                 "corruption_detected[bitflip]: hashes next quarter\nno_such_check : typo\n")
+    entries = expected.parse(f)
+    assert [(e.pattern, e.reason, e.line) for e in entries] == [
+        ("resume_matches_baseline", "RNG not saved yet", 3),
+        ("corruption_detected[bitflip]", "hashes next quarter", 4),
+        ("no_such_check", "typo", 5)]
+    assert expected.match(entries, "corruption_detected[bitflip]").line == 4
+    assert expected.match(entries, "corruption_detected[truncate]") is None
+    assert [e.pattern for e in expected.unmatched(entries)] == ["no_such_check"]
+
+
+@pytest.mark.parametrize("text", ["resume_matches_baseline\n", " : reason only\n", "check :\n"])
+def test_expected_failures_malformed_line_names_file_and_line(tmp_path, text):
+    f = tmp_path / "xfail.txt"
+    f.write_text("# ok\n" + text)
+    with pytest.raises(expected.ExpectedFailuresError, match=rf"{f.name}:2: expected '<check id substring> : <reason>'"):
+        expected.parse(f)
+
+
+def test_expected_failures_missing_file(tmp_path):
+    with pytest.raises(expected.ExpectedFailuresError, match="nope.txt: cannot read"):
+        expected.parse(tmp_path / "nope.txt")
+
+
+# -- report rendering -----------------------------------------------------------------------------
+def _sample_report() -> dict:
+    cases = [
+        {"check": "determinism_precondition", "outcome": "passed", "reason": "", "evidence":
+         [{"kind": "determinism", "summary": "two uninterrupted runs, 14 steps, max |diff| 0"}], "plots": []},
+        {"check": "resume_matches_baseline", "outcome": "failed", "reason": "",
+         "message": "[resume_matches_baseline] final process: loss differs\n  replay:   python -m conformance replay ...",
+         "evidence": [{"kind": "trial", "schedule": "step:10", "max_abs_diff": 0.39}], "plots": ["/x/p.png"]},
+        {"check": "schema_migration", "outcome": "skipped", "reason": "adapter lacks capability 'legacy_samples'",
+         "evidence": [], "plots": []},
+    ]
+    env = report.environment({"name": "t", "spec": "m:A", "version": "1.2"}, "ci")
+    return report.build_report(cases, env)
+
+
+def test_markdown_summary_has_verdict_table_and_failure_details():
+    md = report.render_markdown(_sample_report())
+    assert md.startswith("## Resume conformance: FAILED")
+    assert "| `resume_matches_baseline` | **FAIL** | 1 trial(s), schedules step:10; max \\|loss diff\\| 0.39 |" in md
+    assert "adapter lacks capability 'legacy_samples'" in md
+    assert "### `resume_matches_baseline`" in md and "replay:   python -m conformance replay" in md
+    assert "Plot: `/x/p.png`" in md and "version 1.2" in md and "profile `ci`" in md
+
+
+def test_report_command_renders_saved_report_and_exits_1_on_failures(tmp_path):
+    json_path, _ = report.write_report(_sample_report(), tmp_path / "rep")
+    proc = subprocess.run([sys.executable, "-m", "conformance", "report", str(json_path)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == report.render_markdown(json.loads(json_path.read_text()))
+    out = tmp_path / "again.json"
+    proc = subprocess.run([sys.executable, "-m", "conformance", "report", str(json_path), "--format=json",
+                           f"--out={out}"], capture_output=True, text=True, cwd=REPO)
+    assert json.loads(out.read_text())["cases"] == json.loads(json_path.read_text())["cases"]
+
+
+@pytest.mark.parametrize("content, problem", [(None, "no such report file"), ("{nope", "not a JSON report"),
+                                              ('{"schema": "other/1", "cases": []}', "not a conformance report")])
+def test_report_command_rejects_bad_input_naming_the_file(tmp_path, content, problem):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "conformance", "report", str(path)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    assert str(path) in proc.stderr and problem in proc.stderr
+
+
+def test_jsonable_keeps_json_strict():
+    assert json.loads(json.dumps(report.jsonable({1: float("inf"), "t": (1, 2.5), "n": None}),
+                                 allow_nan=False)) == {"1": "inf", "t": [1, 2.5], "n": None}
+
+
+# -- plots ----------------------------------------------------------------------------------------
+def test_plot_resume_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need the 'plots' extra (matplotlib)")
+    path = tmp_path / plot_name("resume_matches_baseline", "my trainer", None, "x=1")
+    written = plot_resume(path, title="t", baseline={1: 1.0, 2: 0.5, 3: 0.4},
+                          resumed=[("resumed", {2: 0.6, 3: 0.5})], crashes=[("step:1", 1.5)], resumes=[1])
+    assert written == path and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert " " not in path.name
+
+
+def test_plot_without_matplotlib_says_why(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    msg = plot_resume(tmp_path / "p.png", title="t", baseline={1: 1.0}, resumed=[], crashes=[], resumes=[])
+    assert isinstance(msg, str) and "matplotlib is not installed" in msg
+    assert not (tmp_path / "p.png").exists()
+
+
+# -- end to end: the plugin writes the report, junitxml still works ------------------------------
+def _run_suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
+         f"--basetemp={tmp_path / 'base'}", "--hypothesis-profile=quick", *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+@needs_strace
+def test_failure_report_plot_and_junitxml(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need the 'plots' extra (matplotlib)")
+    rep, xml = tmp_path / "rep", tmp_path / "junit.xml"
+    proc = _run_suite(tmp_path, "--adapter=fixtures.broken.rng_not_restored:ADAPTER",
+                      "-k", "resume_matches_baseline or determinism_precondition",
+                      f"--conformance-report={rep}", f"--junitxml={xml}")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    data = report.load_report(rep / "report.json")
+    assert data["adapter"]["spec"] == "fixtures.broken.rng_not_restored:ADAPTER"
+    assert data["versions"]["suite"] and data["versions"]["torch"] and data["hypothesis_profile"] == "quick"
+    cases = {c["check"]: c for c in data["cases"]}
+    assert cases["determinism_precondition"]["outcome"] == "passed"
+    failed = cases["resume_matches_baseline"]
+    assert failed["outcome"] == "failed"
+    assert failed["message"].startswith("[resume_matches_baseline]")
+    trial = next(e for e in failed["evidence"] if e["kind"] == "trial" and e["mismatches"])
+    assert trial["max_abs_diff"] > 1e-4 and trial["crashes"][0]["resumed_from"] >= 0
+    plot = Path(failed["plots"][0])
+    assert plot.parent == rep / "plots" and plot.read_bytes()[:4] == b"\x89PNG"
+    assert f"plot:     {plot}" in failed["message"]
+    assert "**FAIL**" in (rep / "summary.md").read_text()
+    names = {c.get("name"): c for c in ET.parse(xml).getroot().iter("testcase")}
+    assert names["test_resume_matches_baseline"].find("failure") is not None
+    assert f"plot:     {plot}" in names["test_resume_matches_baseline"].find("failure").get("message", "") + \
+        (names["test_resume_matches_baseline"].find("failure").text or "")
+
+
+@pytest.mark.slow
+@needs_strace
+def test_expected_failures_file_xfails_and_warns_on_unmatched(tmp_path):
+    xfail = tmp_path / "expected.txt"
+    xfail.write_text("resume_matches : RNG restore lands next sprint\nresume_matchs_baseline : typo\n")
+    rep = tmp_path / "rep"
+    proc = _run_suite(tmp_path, "--adapter=fixtures.broken.rng_not_restored:ADAPTER",
+                      "-k", "resume_matches_baseline", f"--expected-failures={xfail}",
+                      f"--conformance-report={rep}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "1 xfailed" in out
+    assert f"{xfail}:2: expected failure 'resume_matchs_baseline' matches no check id" in out
+    case = report.load_report(rep / "report.json")["cases"][0]
+    assert case["outcome"] == "xfailed" and "RNG restore lands next sprint" in case["reason"]
+
+
+@pytest.mark.slow
+@needs_strace
+def test_soak_reports_failures_of_a_flaky_or_broken_trainer(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "conformance", "soak", "--runs", "1", "--profile", "quick",
+                           "--workers", "0", "--adapter", "fixtures.broken.clock_seeded_data_order:ADAPTER",
+                           "--out", str(tmp_path / "soak")], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 run(s) with failures" in proc.stdout
+    assert "FAIL fixtures.broken.clock_seeded_data_order:ADAPTER run 1: determinism_precondition:" in proc.stdout
