@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 from . import checks, expected
 from . import report as reports
@@ -22,12 +23,16 @@ from .trials import SubprocessRunner, WarmRunner
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                      HealthCheck.function_scoped_fixture])
-# quick and ci are derandomized: a gate must give the same verdict on the same code every time.
-# fuzz explores: random draws, and failures are kept in the example database for replay.
+# A gate must give the same verdict on the same code every time: quick is derandomized, and ci
+# draws from a fixed seed (suite.py applies it) while still replaying the failures kept in the
+# example database, e.g. ones a nightly fuzz run found (derandomize=True would turn the database
+# off). fuzz explores: random draws, failures kept in the database.
+EXAMPLE_DB = DirectoryBasedExampleDatabase(".hypothesis/examples")
 settings.register_profile("quick", max_examples=3, derandomize=True,
                           phases=[Phase.explicit, Phase.generate], **_COMMON)
-settings.register_profile("ci", max_examples=8, derandomize=True, **_COMMON)
-settings.register_profile("fuzz", max_examples=5000, derandomize=False, **_COMMON)
+settings.register_profile("ci", max_examples=8, derandomize=False, database=EXAMPLE_DB, **_COMMON)
+settings.register_profile("fuzz", max_examples=5000, derandomize=False, database=EXAMPLE_DB, **_COMMON)
+SEEDED_PROFILES = {"ci": 0}
 
 
 def pytest_addoption(parser):

@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 import pytest
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, given, note, seed, settings
 from hypothesis import strategies as st
 
 from . import checks
+from .plugin import SEEDED_PROFILES
 from .corrupt import KINDS
 from .crash import format_schedule
 from .strategies import CADENCES, fs_points, in_save_points, schedules, step_points
@@ -27,6 +28,12 @@ TOTAL_STEPS = 14
 SEED = 0
 _SLOW_OK = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                           HealthCheck.function_scoped_fixture])
+
+
+def _profile_seed(test):
+    """Fix the seed under the gate profile (see plugin.py): same code, same draws, same verdict."""
+    fixed = SEEDED_PROFILES.get(settings.get_current_profile_name())
+    return test if fixed is None else seed(fixed)(test)
 
 
 class ResumeConformance:
@@ -72,12 +79,14 @@ class ResumeConformance:
         """Two uninterrupted runs agree; without this nothing else can be judged."""
         checks.check_determinism(session, self.spec())
 
+    @_profile_seed
     @_SLOW_OK
     @given(data=st.data())
     def test_resume_matches_baseline(self, session, data):
         """After any crash schedule the run finishes (exit 0) on the uninterrupted loss curve."""
         self._schedule_check(session, data, "resume_matches_baseline", lambda b: schedules(b, max_crashes=2))
 
+    @_profile_seed
     @_SLOW_OK
     @given(data=st.data())
     def test_no_lost_work(self, session, data):
@@ -85,6 +94,7 @@ class ResumeConformance:
         self._schedule_check(session, data, "no_lost_work",
                              lambda b: st.one_of(in_save_points(b), step_points(b), fs_points(b)).map(lambda p: (p,)))
 
+    @_profile_seed
     @_SLOW_OK
     @given(data=st.data())
     def test_no_torn_state(self, session, data):

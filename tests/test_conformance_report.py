@@ -179,3 +179,29 @@ def test_soak_reports_failures_of_a_flaky_or_broken_trainer(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "1 run(s) with failures" in proc.stdout
     assert "FAIL fixtures.broken.clock_seeded_data_order:ADAPTER run 1: determinism_precondition:" in proc.stdout
+
+
+# -- the example CI gate --------------------------------------------------------------------------
+EXAMPLES = REPO / "examples"
+
+
+def test_example_workflow_uses_only_real_options():
+    workflow = (EXAMPLES / "github-actions" / "checkpoint-conformance.yml").read_text()
+    try:
+        import yaml
+    except ImportError:
+        yaml = None
+    if yaml is not None:
+        doc = yaml.safe_load(workflow)
+        steps = doc["jobs"]["conformance"]["steps"]
+        assert any("actions/cache" in s.get("uses", "") and s["with"]["path"] == ".hypothesis/examples" for s in steps)
+        assert any("upload-artifact" in s.get("uses", "") and s["with"]["path"] == "conformance-report/" for s in steps)
+    help_text = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--help"],
+                               capture_output=True, text=True, cwd=REPO).stdout
+    used = {opt for opt in __import__("re").findall(r"(--[a-z][a-z-]+)=", workflow)}
+    assert {"--adapter", "--hypothesis-profile", "--conformance-report", "--expected-failures",
+            "--junitxml"} <= used
+    known = help_text + " --junitxml"   # pytest lists it as --junit-xml, its alias
+    missing = [opt for opt in used if opt not in known]
+    assert not missing, f"the example workflow uses options pytest does not know: {missing}"
+    assert expected.parse(EXAMPLES / "conformance-expected-failures.txt") == []
