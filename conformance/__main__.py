@@ -17,7 +17,7 @@ from .adapters import resolve
 from .corrupt import KINDS
 from .crash import parse_schedule
 from .judge import ConformanceFailure
-from .scenario import CrashNotLanded
+from .scenario import CrashNotLanded, CrashPointMissing
 from .trials import RunSpec
 
 
@@ -32,6 +32,9 @@ def _replay(args) -> int:
             if args.schedule is None:
                 raise SystemExit("--schedule is required for this check")
             checks.check_schedule(session, args.check, spec, parse_schedule(args.schedule))
+        elif args.check == "crash_states":
+            n = checks.check_crash_states(session, spec, only=args.state)
+            print(f"checked {n} crash state(s)")
         elif args.check == "corruption_detected":
             if args.corruption not in KINDS:
                 raise SystemExit(f"--corruption must be one of {KINDS}")
@@ -47,6 +50,9 @@ def _replay(args) -> int:
     except (ConformanceFailure, CrashNotLanded) as exc:
         print(f"FAIL\n{exc}")
         return 1
+    except CrashPointMissing as exc:
+        print(f"NOT APPLICABLE: {exc}")
+        return 2
     print(f"PASS [{args.check}] (work files kept in {session.workdir})")
     return 0
 
@@ -124,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--schedule")
     rp.add_argument("--corruption")
     rp.add_argument("--legacy")
+    rp.add_argument("--state", help="crash_states: one state label, e.g. 37 or 37t")
     rp.add_argument("--loss-tol", type=float, default=checks.DEFAULT_TOL)
     rep = sub.add_parser("report", help="render a saved report.json (exit 1 if it holds failures)")
     rep.add_argument("path", help="report.json written by --conformance-report")

@@ -11,6 +11,8 @@ from pathlib import Path
 from . import report
 from .adapters import LegacySample, TrainerAdapter
 from .corrupt import corrupt, plant_malicious_pickle
+from .crash_states import (build_state, crash_states, judge_state, parse_recording, probe_spec,
+                           record_prefix)
 from .crash import Schedule, format_schedule
 from .judge import fail, format_mismatches, loss_mismatches, stderr_tail
 from .plots import plot_name, plot_resume
@@ -18,7 +20,7 @@ from .scenario import TrialOutcome, resume_point, run_schedule
 from .trials import Baseline, RunSpec, WarmRunner, traced_run
 
 CHECK_IDS = ("determinism_precondition", "resume_matches_baseline", "no_lost_work", "no_torn_state",
-             "corruption_detected", "untrusted_checkpoint", "schema_migration")
+             "crash_states", "corruption_detected", "untrusted_checkpoint", "schema_migration")
 DEFAULT_TOL = 1e-4
 
 
@@ -40,6 +42,7 @@ class Session:
         self._determinism: dict[RunSpec, str | None] = {}
         self._determinism_numbers: dict[RunSpec, dict] = {}
         self._prefixes: dict[RunSpec, tuple[Baseline, int]] = {}
+        self._recordings: dict[RunSpec, list] = {}
 
     def close(self) -> None:
         close = getattr(self.runner, "close", None)
@@ -87,6 +90,21 @@ class Session:
                            + format_mismatches(rows))
             self._determinism[spec] = problem
         return self._determinism[spec]
+
+    def recording(self, spec: RunSpec) -> list:
+        """Every filesystem operation (with its data) of one uninterrupted run, for crash states."""
+        if spec not in self._recordings:
+            d = self.case_dir("recording")
+            ckpt, log, trace = (d / "ckpt").resolve(), (d / "loss.jsonl").resolve(), d / "record.strace"
+            ckpt.mkdir()
+            result = self.runner.run_process(self.adapter, spec, ckpt, log, prefix=record_prefix(trace),
+                                             trace_file=trace)
+            if result.returncode != 0:
+                raise fail("crash_states", self.adapter, spec, f"the recorded run exited {result.returncode}",
+                           details="  stderr:\n" + stderr_tail(result.stderr))
+            self._recordings[spec] = parse_recording(result.trace_text, ckpt, log)
+            trace.unlink(missing_ok=True)
+        return self._recordings[spec]
 
     def prefix(self, spec: RunSpec) -> tuple[Baseline, int]:
         """A traced run stopped at the last save before total_steps, keeping an older save."""
@@ -250,6 +268,51 @@ def check_schedule(session: Session, check: str, spec: RunSpec, schedule: Schedu
     return outcome
 
 
+# -- crash states, rebuilt offline ----------------------------------------------------------------
+MAX_STATE_FAILURES = 5
+
+
+def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = None) -> int:
+    """Every state a kill can leave during one recorded run; returns how many were checked."""
+    ops = session.recording(spec)
+    states = crash_states(ops, spec.save_every)
+    if only is not None:
+        states = [s for s in states if s.label == only]
+        if not states:
+            raise ValueError(f"no crash state {only!r}: labels are op numbers 0..{len(ops) - 1}, "
+                             "with a 't' suffix for a torn write")
+    base = session.baseline(spec).losses
+    failures = []
+    for state in states:
+        d = session.case_dir(f"state-{state.label}")
+        ckpt, log = (d / "ckpt").resolve(), (d / "loss.jsonl").resolve()
+        build_state(ops, state, ckpt)
+        probe = probe_spec(spec, state)
+        result = session.runner.run_process(session.adapter, probe, ckpt, log)
+        problem = judge_state(state, result, base, probe, session.tol)
+        if problem:
+            failures.append((state, problem, result))
+            if len(failures) >= MAX_STATE_FAILURES:
+                break
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+    report.record("crash_states", states=len(states), operations=len(ops), failed=len(failures),
+                  failing=[s.label for s, _, _ in failures],
+                  summary=f"{len(states)} crash states rebuilt from {len(ops)} recorded operations"
+                          + (f", {len(failures)}+ failing" if failures else ", all resumed correctly"))
+    if failures:
+        state, problem, result = failures[0]
+        others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])
+        raise fail("crash_states", session.adapter, spec,
+                   f"in the state a {state.description} leaves, {problem}",
+                   details=f"  state {state.label}: newest committed checkpoint then: step {state.newest_committed}"
+                           + (f"; inside the save of step {state.in_progress}" if state.in_progress else "")
+                           + f"\n  stderr:\n{stderr_tail(result.stderr)}"
+                           + (f"\n  other failing states (first {MAX_STATE_FAILURES}):{others}" if others else ""),
+                   extra=f"--state={state.label}")
+    return len(states)
+
+
 # -- files of the newest checkpoint ---------------------------------------------------------------
 def newest_checkpoint_files(prefix: Baseline, stop: int) -> list[Path]:
     """Regular files that the save of step `stop` wrote and that still exist after the run."""
@@ -257,19 +320,23 @@ def newest_checkpoint_files(prefix: Baseline, stop: int) -> list[Path]:
     files: dict[str, None] = {}
     for i in window:
         ev = prefix.events[i]
+        if ev.op == "rename" and len(ev.paths) == 2:
+            # A renamed directory (e.g. a temp dir committed as `ckpt-<step>`) carries its files.
+            src, dst = ev.paths
+            files = {(dst + p[len(src):] if p == src or p.startswith(src + "/") else p): None for p in files}
         if ev.op in ("write", "rename", "create", "link"):
             files[ev.paths[-1]] = None
     return [Path(p) for p in files if Path(p).is_file() and not Path(p).is_symlink()]
 
 
-def _copy_prefix(session: Session, spec: RunSpec, name: str) -> tuple[Path, list[Path], int]:
+def _copy_prefix(session: Session, spec: RunSpec, name: str, check: str) -> tuple[Path, list[Path], int]:
     prefix, stop = session.prefix(spec)
     d = session.case_dir(name)
     ckpt = (d / "ckpt").resolve()
     shutil.copytree(prefix.ckpt_dir, ckpt, symlinks=True)
     files = [ckpt / p.relative_to(prefix.ckpt_dir) for p in newest_checkpoint_files(prefix, stop)]
     if not files:
-        raise fail("corruption_detected", session.adapter, spec,
+        raise fail(check, session.adapter, spec,
                    f"could not tell which files make up the checkpoint of step {stop}: the save "
                    "after logging that step wrote no file under CONFORMANCE_CKPT_DIR")
     return d, files, stop
@@ -277,7 +344,7 @@ def _copy_prefix(session: Session, spec: RunSpec, name: str) -> tuple[Path, list
 
 def check_corruption(session: Session, spec: RunSpec, kind: str) -> None:
     check = "corruption_detected"
-    d, files, stop = _copy_prefix(session, spec, f"corrupt-{kind}")
+    d, files, stop = _copy_prefix(session, spec, f"corrupt-{kind}", "corruption_detected")
     target = max(files, key=lambda p: p.stat().st_size)
     what = corrupt(kind, target)
     result = session.runner.run_process(session.adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
@@ -311,7 +378,7 @@ def check_corruption(session: Session, spec: RunSpec, kind: str) -> None:
 
 
 def check_untrusted(session: Session, spec: RunSpec) -> None:
-    d, files, stop = _copy_prefix(session, spec, "untrusted")
+    d, files, stop = _copy_prefix(session, spec, "untrusted", "untrusted_checkpoint")
     marker = d / "UNTRUSTED-CODE-RAN"
     for f in files:
         plant_malicious_pickle(f, marker)

@@ -22,6 +22,11 @@ class CrashNotLanded(AssertionError):
     a pure function of its inputs, or the injection was not delivered."""
 
 
+class CrashPointMissing(Exception):
+    """A later crash point of a schedule does not exist in its process (e.g. `step:2` for a process
+    that resumed at step 9, or `fs:0` for one that writes nothing): the schedule does not apply."""
+
+
 @dataclasses.dataclass
 class CrashedProcess:
     point: CrashPoint
@@ -80,8 +85,10 @@ def run_schedule(runner, adapter: TrainerAdapter, spec: RunSpec, schedule: Sched
         started_from = 0 if i == 0 else resume_point(own.result, spec)
         found = injection_for(point, own)
         if found is None:
-            raise CrashNotLanded(f"crash point {point} does not exist in process {i + 1}'s trace "
-                                 f"({len(own.crash_points())} targetable filesystem operations)")
+            what = (f"crash point {point} does not exist in process {i + 1}'s trace "
+                    f"({len(own.crash_points())} targetable filesystem operations"
+                    + (f", resumed from step {started_from})" if i else ")"))
+            raise CrashPointMissing(what) if i else CrashNotLanded(what)
         inject, planned = found
         log = (workdir / f"p{i}-loss.jsonl").resolve()
         trace_file = workdir / f"p{i}-inject.strace"

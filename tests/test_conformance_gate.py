@@ -1,4 +1,4 @@
-"""The suite judged against known trainers: the reference trainer passes every check, and each
+"""The suite judged against known trainers: every correct trainer passes every check, and each
 deliberately broken trainer fails with the check id that should catch it.
 
 These run the suite the way a team does, `pytest --pyargs conformance`, in a subprocess, and read
@@ -6,49 +6,28 @@ the verdicts from its JUnit XML.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 from conformance.tracing import strace_problem
+from fixtures import CORRECT_TRAINERS
 from fixtures.broken import CATALOGUE
+from suite_runner import run_suite
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_suite(tmp_path: Path, *args: str) -> tuple[dict[str, tuple[str, str]], str]:
-    """Run the suite; return {test name: (outcome, message)} and the console output."""
-    xml = tmp_path / "junit.xml"
-    env = dict(os.environ)
-    env.pop("PYTEST_XDIST_WORKER", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
-         f"--junitxml={xml}", f"--basetemp={tmp_path / 'suite'}", "-W", "ignore::DeprecationWarning", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
-    assert xml.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    verdicts = {}
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            el = case.find(tag)
-            if el is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                message = (el.get("message") or "") + "\n" + (el.text or "")
-        verdicts[case.get("name")] = (outcome, message)
-    return verdicts, proc.stdout
 
 
 needs_strace = pytest.mark.skipif(strace_problem() is not None, reason=f"strace unusable: {strace_problem()}")
 
 
 @needs_strace
-def test_reference_trainer_passes_every_check_under_ci_profile(tmp_path):
-    verdicts, out = run_suite(tmp_path, "--hypothesis-profile=ci")
+@pytest.mark.parametrize("adapter", CORRECT_TRAINERS)
+def test_correct_trainer_passes_every_check_under_ci_profile(tmp_path, adapter):
+    if adapter.startswith("fixtures.commit_marker_trainer"):
+        pytest.importorskip("safetensors", reason="the commit-marker trainer needs the 'safetensors' extra")
+    verdicts, out = run_suite(tmp_path, f"--adapter={adapter}", "--hypothesis-profile=ci")
     assert verdicts, out[-3000:]
     bad = {name: v for name, v in verdicts.items() if v[0] in ("failed", "error")}
     assert not bad, "\n\n".join(f"{n}: {m[:2000]}" for n, (_, m) in bad.items())
