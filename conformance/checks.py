@@ -4,15 +4,17 @@ Each raises ConformanceFailure (an AssertionError) with the full report, or retu
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import report
 from .adapters import LegacySample, TrainerAdapter
 from .corrupt import corrupt, plant_malicious_pickle
-from .crash_states import (build_state, crash_states, judge_state, parse_recording, probe_spec,
-                           record_prefix)
+from .crash_states import (build_state, crash_states, judge_state, parse_recording, probe_specs,
+                           record_prefix, resumed_past)
 from .crash import Schedule, format_schedule
 from .judge import fail, format_mismatches, loss_mismatches, stderr_tail
 from .plots import plot_name, plot_resume
@@ -35,6 +37,7 @@ class Session:
                  tol: float = DEFAULT_TOL, plot_dir: Path | None = None):
         self.adapter = adapter
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="conformance-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.plot_dir = Path(plot_dir) if plot_dir else self.workdir / "plots"
         self.runner = runner or WarmRunner()
         self.tol = tol
@@ -270,6 +273,7 @@ def check_schedule(session: Session, check: str, spec: RunSpec, schedule: Schedu
 
 # -- crash states, rebuilt offline ----------------------------------------------------------------
 MAX_STATE_FAILURES = 5
+STATE_WORKERS = int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1)
 
 
 def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = None) -> int:
@@ -282,20 +286,38 @@ def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = No
             raise ValueError(f"no crash state {only!r}: labels are op numbers 0..{len(ops) - 1}, "
                              "with a 't' suffix for a torn write")
     base = session.baseline(spec).losses
-    failures = []
-    for state in states:
-        d = session.case_dir(f"state-{state.label}")
+
+    state_root = _scratch_dir(session, sum(len(op.data) for op in ops))
+
+    def check_one(state):
+        d = Path(tempfile.mkdtemp(prefix=f"state-{state.label}-", dir=state_root))
         ckpt, log = (d / "ckpt").resolve(), (d / "loss.jsonl").resolve()
-        build_state(ops, state, ckpt)
-        probe = probe_spec(spec, state)
-        result = session.runner.run_process(session.adapter, probe, ckpt, log)
-        problem = judge_state(state, result, base, probe, session.tol)
-        if problem:
-            failures.append((state, problem, result))
-            if len(failures) >= MAX_STATE_FAILURES:
+        probes = probe_specs(spec, state)
+        for i, probe in enumerate(probes):
+            build_state(ops, state, ckpt)
+            log.unlink(missing_ok=True)
+            result = session.runner.run_process(session.adapter, probe, ckpt, log)
+            if i + 1 == len(probes) or not resumed_past(result):
                 break
-        else:
+        problem = judge_state(state, result, base, probe, session.tol)
+        if problem is None:
             shutil.rmtree(d, ignore_errors=True)
+        return state, problem, result
+
+    failures = []
+    try:
+        # States are independent: check several at once (each is one short forked process).
+        with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
+            for state, problem, result in pool.map(check_one, states):
+                if problem:
+                    failures.append((state, problem, result))
+                    if len(failures) >= MAX_STATE_FAILURES:
+                        break
+    finally:
+        if state_root != session.workdir:   # keep failing states next to the other work files
+            for d in state_root.iterdir():
+                shutil.move(str(d), session.workdir / d.name)
+            shutil.rmtree(state_root, ignore_errors=True)
     report.record("crash_states", states=len(states), operations=len(ops), failed=len(failures),
                   failing=[s.label for s, _, _ in failures],
                   summary=f"{len(states)} crash states rebuilt from {len(ops)} recorded operations"
@@ -311,6 +333,20 @@ def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = No
                            + (f"\n  other failing states (first {MAX_STATE_FAILURES}):{others}" if others else ""),
                    extra=f"--state={state.label}")
     return len(states)
+
+
+def _scratch_dir(session: Session, data_bytes: int) -> Path:
+    """Where crash states are built: tmpfs when it has ample room (a kill keeps the page cache,
+    so durability plays no part in these states, and the probes' fsyncs cost nothing there),
+    else the session's work directory."""
+    shm = Path("/dev/shm")
+    try:
+        st = os.statvfs(shm)
+        if st.f_bavail * st.f_frsize > max(1 << 30, 64 * data_bytes) and os.access(shm, os.W_OK):
+            return Path(tempfile.mkdtemp(prefix="conformance-states-", dir=shm))
+    except OSError:
+        pass
+    return session.workdir
 
 
 # -- files of the newest checkpoint ---------------------------------------------------------------

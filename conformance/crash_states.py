@@ -7,8 +7,8 @@ exactly operations 0..i-1 applied in order. A kill that lands *during* a large w
 part of it (the kernel checks for fatal signals between pages), so every write of more than one
 byte also gets a "torn" variant with its first half applied. Building a state costs
 milliseconds; checking it is one short resume (the warm runner forks it): the trainer is started
-with total_steps just past the checkpoint it should resume from, so it loads, trains a step or
-a few, and the suite compares those losses with the baseline.
+with total_steps one past the checkpoint it should resume from, so it loads, trains one step,
+and the suite compares that loss with the baseline.
 """
 from __future__ import annotations
 
@@ -310,10 +310,19 @@ def build_state(ops: list[Op], state: CrashState, directory: Path) -> None:
     replayer.materialize(directory)
 
 
-def probe_spec(spec: RunSpec, state: CrashState) -> RunSpec:
-    """Train just past the newest checkpoint the state may legitimately resume from."""
-    upper = max(state.newest_committed, state.in_progress or 0)
-    return RunSpec(min(spec.total_steps, upper + 1), spec.save_every, spec.seed)
+def probe_specs(spec: RunSpec, state: CrashState) -> list[RunSpec]:
+    """Runs that check a state: train one step past the newest committed checkpoint; if the
+    trainer instead resumed past that (from the interrupted save, complete by then), one step
+    past the interrupted save. One step, never a save: the probe costs a fork and a load."""
+    out = [RunSpec(min(spec.total_steps, state.newest_committed + 1), spec.save_every, spec.seed)]
+    if state.in_progress and state.in_progress + 1 > out[0].total_steps:
+        out.append(RunSpec(min(spec.total_steps, state.in_progress + 1), spec.save_every, spec.seed))
+    return out
+
+
+def resumed_past(result: ProcessResult) -> bool:
+    """Exit 0 without training a step: the trainer found a checkpoint at or past total_steps."""
+    return result.returncode == 0 and result.first_step is None
 
 
 def judge_state(state: CrashState, result: ProcessResult, baseline: dict[int, float], spec: RunSpec,

@@ -7,17 +7,19 @@ pools and no device state. Each child blocks on a pipe until released, so strace
 (`strace -p`) before it runs its first instruction of training: syscall-level crash points work
 as on a fresh interpreter, and the suite's tests compare both runners on the same cases.
 
-Protocol (JSON lines on the server's stdin/stdout):
-    -> {"op": "fork", "module": M, "argv": [...], "env": {...}, "stderr": PATH}
-    <- {"pid": PID}
-    -> {"op": "go"}
-    <- {"status": RC}          (RC < 0: killed by signal -RC, as subprocess reports it)
+Protocol (JSON lines on the server's stdin/stdout; several children may run at once):
+    -> {"op": "fork", "id": I, "module": M, "argv": [...], "env": {...}, "stderr": PATH}
+    <- {"id": I, "pid": PID}
+    -> {"op": "go", "id": I}        (or {"op": "abort", "id": I}: kill it unreleased)
+    <- {"id": I, "status": RC}      (RC < 0: killed by signal -RC, as subprocess reports it)
 """
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
+import queue
 import runpy
 import signal
 import subprocess
@@ -70,6 +72,8 @@ def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
 
 
 def serve(preload: list[str]) -> None:
+    """Single-threaded (forking from a threaded process is unsafe): a select loop over requests on
+    stdin and SIGCHLD (through a wakeup pipe); several children may run at once."""
     import torch  # noqa: F401  (import only: no tensor op, no CUDA call before forking)
     try:
         # torch imports dynamo lazily on the first optimizer construction: seconds per child
@@ -82,68 +86,144 @@ def serve(preload: list[str]) -> None:
             importlib.import_module(module)
         except Exception as exc:  # a module that cannot be preloaded is simply imported per child
             print(f"forkserver: cannot preload {module}: {exc!r}", file=sys.stderr)
-    out = sys.stdout
-    for line in sys.stdin:
-        req = json.loads(line)
-        if req["op"] != "fork":
-            continue
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
+    import selectors
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    stdin_fd = sys.stdin.fileno()
+    sel.register(stdin_fd, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    running: dict[int, object] = {}     # pid -> request id
+    waiting: dict[object, tuple[int, int]] = {}  # request id -> (pid, write end of its go pipe)
+
+    def send(obj) -> None:
+        os.write(1, (json.dumps(obj) + "\n").encode())
+
+    def handle(req: dict) -> None:
+        rid = req.get("id")
+        if req["op"] == "fork":
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (w, wake_r, wake_w, *(gw for _, gw in waiting.values())):
+                    os.close(fd)
+                _child(req["module"], req["argv"], req["env"], req["stderr"], r)
+            os.close(r)
+            running[pid] = rid
+            waiting[rid] = (pid, w)
+            send({"id": rid, "pid": pid})
+        elif req["op"] in ("go", "abort") and rid in waiting:
+            pid, w = waiting.pop(rid)
+            if req["op"] == "go":
+                os.write(w, b"g")
+            else:
+                _kill(pid)
             os.close(w)
-            _child(req["module"], req["argv"], req["env"], req["stderr"], r)
-        os.close(r)
-        out.write(json.dumps({"pid": pid}) + "\n")
-        out.flush()
-        go = json.loads(sys.stdin.readline() or '{"op": "abort"}')
-        if go.get("op") == "go":
-            os.write(w, b"g")
-        else:
-            os.kill(pid, signal.SIGKILL)
-        os.close(w)
-        _, status = os.waitpid(pid, 0)
-        rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        out.write(json.dumps({"status": rc}) + "\n")
-        out.flush()
+
+    def reap() -> None:
+        while running:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            send({"id": running.pop(pid, None), "status": rc})
+
+    buf = b""
+    while True:
+        for key, _ in sel.select():
+            if key.fd == wake_r:
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+                continue
+            data = os.read(stdin_fd, 1 << 16)
+            if not data:   # the client went away: no new work; let running children finish
+                for pid, _ in waiting.values():
+                    _kill(pid)
+                while running:
+                    try:
+                        os.waitpid(-1, 0)
+                    except ChildProcessError:
+                        break
+                    running.popitem()
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line.strip():
+                    handle(json.loads(line))
+        reap()
 
 
 # -- client side ----------------------------------------------------------------------------------
 class ForkServer:
+    """Client of one server process; `run` may be called from several threads at once."""
+
     def __init__(self, preload: list[str]):
         env = dict(os.environ)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         self.proc = subprocess.Popen([sys.executable, "-m", "conformance.forkserver", *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._replies: dict[int, "queue.Queue[dict]"] = {}
+        self._ids = itertools.count()
+        self._reader = threading.Thread(target=self._read_replies, daemon=True)
+        self._reader.start()
+
+    def _read_replies(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            q = self._replies.get(msg.get("id"))
+            if q is not None:
+                q.put(msg)
+        for q in list(self._replies.values()):
+            q.put({"error": "fork server died"})
 
     def _send(self, obj) -> None:
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
+        with self._send_lock:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
 
-    def _recv(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("fork server died")
-        return json.loads(line)
+    @staticmethod
+    def _get(q: "queue.Queue[dict]") -> dict:
+        msg = q.get()
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        return msg
 
     def run(self, module: str, argv: list[str], env: dict[str, str], stderr_path: Path,
             attach=None, timeout: float = 300) -> int:
         """Fork a child; `attach(pid)` runs before it is released (e.g. starts strace)."""
-        with self.lock:
-            self._send({"op": "fork", "module": module, "argv": argv, "env": env, "stderr": str(stderr_path)})
-            pid = self._recv()["pid"]
+        rid = next(self._ids)
+        q: "queue.Queue[dict]" = queue.Queue()
+        self._replies[rid] = q
+        try:
+            self._send({"op": "fork", "id": rid, "module": module, "argv": argv, "env": env,
+                        "stderr": str(stderr_path)})
+            pid = self._get(q)["pid"]
             tracer = None
             try:
                 tracer = attach(pid) if attach else None
             except BaseException:
-                self._send({"op": "abort"})
-                self._recv()
+                self._send({"op": "abort", "id": rid})
+                self._get(q)
                 raise
-            self._send({"op": "go"})
+            self._send({"op": "go", "id": rid})
             timer = threading.Timer(timeout, lambda: _kill(pid))
             timer.start()
             try:
-                status = self._recv()["status"]
+                status = self._get(q)["status"]
             finally:
                 timer.cancel()
             if tracer is not None:
@@ -152,6 +232,8 @@ class ForkServer:
                 except subprocess.TimeoutExpired:
                     tracer.kill()
             return status
+        finally:
+            self._replies.pop(rid, None)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 from .adapters import TrainerAdapter
@@ -167,12 +168,14 @@ class WarmRunner:
     def __init__(self):
         self._servers: dict = {}
         self._fallback = SubprocessRunner()
+        self._lock = threading.Lock()
 
     def _server(self, module: str):
         from .forkserver import ForkServer
-        if module not in self._servers:
-            self._servers[module] = ForkServer([module])
-        return self._servers[module]
+        with self._lock:
+            if module not in self._servers:
+                self._servers[module] = ForkServer([module])
+            return self._servers[module]
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path,
                     *, prefix: list[str] | None = None, trace_file: Path | None = None) -> ProcessResult:
@@ -208,6 +211,5 @@ def attach_strace(prefix: list[str], pid: int) -> subprocess.Popen:
     else:
         tracer.wait()
         raise RuntimeError(f"strace could not attach to {pid}: {''.join(seen)[-500:]}")
-    import threading
     threading.Thread(target=tracer.stderr.read, daemon=True).start()
     return tracer

@@ -72,3 +72,44 @@ def test_warm_runner_matches_a_fresh_interpreter(tmp_path, schedule):
         outcomes[name] = (base.losses, events, [c.planned_text.split(".tmp-")[0] for c in outcome.crashed],
                           outcome.resume_points, outcome.final.losses, outcome.final.returncode)
     assert outcomes["warm"] == outcomes["fresh"]
+
+
+def test_warm_runner_runs_processes_concurrently_with_their_own_results(tmp_path):
+    """Crash states are checked several at a time on one fork server: every child gets its own
+    environment, exit status and loss log, and a child that fails does not disturb the others."""
+    from concurrent.futures import ThreadPoolExecutor
+    adapter = resolve(None, None)
+    runner = WarmRunner()
+
+    def run(i: int):
+        d = tmp_path / f"p{i}"
+        (d / "ckpt").mkdir(parents=True)
+        spec = RunSpec(3 + i % 3, 2, i)
+        if i == 5:   # an unusable checkpoint directory: this child must fail on its own
+            (d / "ckpt").rmdir()
+            (d / "ckpt").write_text("not a directory")
+        return i, spec, runner.run_process(adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
+
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = list(pool.map(run, range(8)))
+    finally:
+        runner.close()
+    for i, spec, result in results:
+        if i == 5:
+            assert result.returncode != 0 and result.stderr.strip()
+            continue
+        assert result.returncode == 0, result.stderr
+        assert sorted(result.losses) == list(range(1, spec.total_steps + 1))
+    # Same run, same losses, whichever order the concurrent children ran in.
+    by_spec = {}
+    for i, spec, result in results:
+        if i != 5:
+            by_spec.setdefault((spec.total_steps, spec.seed), []).append(result.losses)
+    (d := tmp_path / "again" / "ckpt").mkdir(parents=True)
+    again = WarmRunner()
+    try:
+        repeat = again.run_process(adapter, RunSpec(4, 2, 1), d.resolve(), (d.parent / "loss.jsonl").resolve())
+    finally:
+        again.close()
+    assert by_spec[(4, 1)] == [repeat.losses]

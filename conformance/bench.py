@@ -1,0 +1,211 @@
+"""How fast the suite is, measured side by side in one run: `python -m conformance.bench [--json]`.
+
+- one crash trial (a kill inside the middle save, then the resume to the end: two trainer
+  processes, the first traced and killed by strace) on the warm runner and with a fresh
+  interpreter per process, and a bare `python -c "import torch"` (medians);
+- crash states checked per minute by the crash_states check (rebuilt offline, one short resume each);
+- the wall time of the `ci` profile against the bundled trainer with `-n auto`, and whether that
+  run covered every filesystem operation of a save (its crash_states evidence).
+
+Targets on 2 cores: trial_vs_import <= 0.1, integrity_states_per_min >= 1000, ci_profile_seconds <= 90.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TARGETS = {"trial_vs_import": ("<=", 0.1), "integrity_states_per_min": (">=", 1000.0),
+           "ci_profile_seconds": ("<=", 90.0)}
+_MARKER = "<!-- conformance-bench -->"
+
+
+def _median_time(fn, repeats: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def bare_import_seconds(repeats: int) -> tuple[float, list[float]]:
+    return _median_time(lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True), repeats)
+
+
+def trial_seconds(runner_kind: str, repeats: int, workdir: Path) -> tuple[float, list[float], str]:
+    from . import checks
+    from .adapters import resolve
+    from .crash import CrashPoint
+    from .strategies import _ordered_fs
+    from .suite import SEED, TOTAL_STEPS
+    from .trials import RunSpec, SubprocessRunner, WarmRunner
+
+    runner = WarmRunner() if runner_kind == "warm" else SubprocessRunner()
+    session = checks.Session(resolve(None, None), workdir / runner_kind, runner=runner)
+    try:
+        spec = RunSpec(TOTAL_STEPS, 3, SEED)
+        baseline = session.baseline(spec)
+        point = CrashPoint("fs", _ordered_fs(baseline, True)[0])
+        checks.run_trial(session, spec, (point,))  # warm-up: the fork server's imports are paid once
+        median, times = _median_time(lambda: checks.run_trial(session, spec, (point,)), repeats)
+        return median, times, str(point)
+    finally:
+        session.close()
+
+
+def states_per_minute(workdir: Path) -> tuple[float, int, float]:
+    from . import checks
+    from .adapters import resolve
+    from .suite import SEED, TOTAL_STEPS
+    from .trials import RunSpec
+
+    session = checks.Session(resolve(None, None), workdir / "states")
+    try:
+        spec = RunSpec(TOTAL_STEPS, 3, SEED)
+        session.baseline(spec)
+        session.recording(spec)
+        start = time.perf_counter()
+        n = checks.check_crash_states(session, spec)
+        seconds = time.perf_counter() - start
+        return n / seconds * 60, n, seconds
+    finally:
+        session.close()
+
+
+def ci_profile(workdir: Path) -> dict[str, Any]:
+    from .report import load_report
+    rep = workdir / "ci-report"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "conformance", "-n", "auto", "-q",
+                           "-p", "no:cacheprovider", "--hypothesis-profile=ci", f"--conformance-report={rep}",
+                           f"--basetemp={workdir / 'ci-tmp'}"], cwd=workdir, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    out: dict[str, Any] = {"seconds": seconds, "exit_code": proc.returncode,
+                           "summary": (proc.stdout.strip().splitlines() or [""])[-1]}
+    try:
+        report = load_report(rep / "report.json")
+    except ValueError as exc:
+        out["covers_every_fs_op_of_a_save"] = False
+        out["problem"] = str(exc)
+        return out
+    evidence = [e for c in report["cases"] if c["check"] == "crash_states" for e in c.get("evidence", [])]
+    states = next((e for e in evidence if e.get("kind") == "crash_states"), {})
+    out["crash_states_checked"] = states.get("states", 0)
+    out["recorded_operations"] = states.get("operations", 0)
+    # crash_states rebuilds the state before every recorded operation of the whole run (every save)
+    out["covers_every_fs_op_of_a_save"] = bool(states) and states.get("states", 0) >= states.get("operations", 1)
+    out["counts"] = report["counts"]
+    return out
+
+
+def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="conformance-bench-") as tmp:
+        tmp_path = Path(tmp)
+        load_before = os.getloadavg()[0]
+        import_s, import_all = bare_import_seconds(repeats)
+        warm_s, warm_all, point = trial_seconds("warm", repeats, tmp_path)
+        fresh_s, fresh_all, _ = trial_seconds("fresh", fresh_repeats, tmp_path)
+        per_min, n_states, states_s = states_per_minute(tmp_path)
+        ci = ci_profile(tmp_path) if with_ci else None
+        load_after = os.getloadavg()[0]
+    result = {
+        "trial_vs_import": warm_s / import_s,
+        "integrity_states_per_min": per_min,
+        "ci_profile_seconds": ci["seconds"] if ci else None,
+        "details": {
+            "bare_import_torch_s": import_s, "warm_trial_s": warm_s, "fresh_trial_s": fresh_s,
+            "fresh_vs_warm": fresh_s / warm_s, "trial_schedule": point,
+            "all_times_s": {"import": import_all, "warm_trial": warm_all, "fresh_trial": fresh_all},
+            "crash_states": n_states, "crash_states_seconds": states_s,
+            "state_workers": int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1),
+            "ci": ci, "repeats": repeats, "fresh_repeats": fresh_repeats,
+            "load_avg_before_after": [round(load_before, 2), round(load_after, 2)],
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "torch": _torch_version()},
+        },
+    }
+    result["targets_met"] = {k: _met(k, result[k]) for k in TARGETS}
+    return result
+
+
+def _torch_version() -> str | None:
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def _met(key: str, value: float | None) -> bool | None:
+    if value is None:
+        return None
+    op, target = TARGETS[key]
+    return value <= target if op == "<=" else value >= target
+
+
+def format_markdown(r: dict[str, Any], command: str) -> str:
+    d = r["details"]
+    ci = d.get("ci") or {}
+    rows = [
+        ("`trial_vs_import`", f"{r['trial_vs_import']:.3f}", "<= 0.1",
+         f"warm trial {d['warm_trial_s'] * 1000:.0f} ms / bare `import torch` {d['bare_import_torch_s'] * 1000:.0f} ms "
+         f"(fresh-interpreter trial {d['fresh_trial_s']:.2f} s, {d['fresh_vs_warm']:.0f}x the warm one)"),
+        ("`integrity_states_per_min`", f"{r['integrity_states_per_min']:.0f}", ">= 1000",
+         f"{d['crash_states']} crash states in {d['crash_states_seconds']:.1f} s, {d['state_workers']} at a time"),
+    ]
+    if r["ci_profile_seconds"] is not None:
+        rows.append(("`ci_profile_seconds`", f"{r['ci_profile_seconds']:.1f}", "<= 90",
+                     f"{ci.get('summary', '')}; every fs op of a save covered: "
+                     f"{'yes' if ci.get('covers_every_fs_op_of_a_save') else 'NO'} "
+                     f"({ci.get('crash_states_checked', 0)} states / {ci.get('recorded_operations', 0)} recorded ops)"))
+    met = r["targets_met"]
+    lines = ["| measure | value | target | met | how |", "|---|---:|---:|:---:|---|"]
+    for (name, value, target, how), key in zip(rows, TARGETS):
+        lines.append(f"| {name} | {value} | {target} | {'yes' if met[key] else 'no'} | {how} |")
+    la = d["load_avg_before_after"]
+    lines += ["", f"Command: `{command}` · {d['machine']['cpus']} cores · Python {d['machine']['python']} · "
+                  f"torch {d['machine']['torch']} · medians of {d['repeats']} (fresh: {d['fresh_repeats']}) · "
+                  f"1-minute load average {la[0]} before, {la[1]} after."]
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, section: str) -> None:
+    """Replace what follows the marker line, up to the next heading, with `section`."""
+    lines = readme.read_text().splitlines()
+    start = lines.index(_MARKER)
+    end = start + 1
+    while end < len(lines) and not lines[end].startswith("#"):
+        end += 1
+    lines[start + 1:end] = ["", *section.splitlines(), ""]
+    readme.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conformance.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--repeats", type=int, default=7, help="warm trials and bare imports (median)")
+    parser.add_argument("--fresh-repeats", type=int, default=3, help="fresh-interpreter trials (median)")
+    parser.add_argument("--no-ci", action="store_true", help="skip the ci-profile run (it takes a minute)")
+    parser.add_argument("--update-readme", metavar="README", help=f"replace the section after {_MARKER}")
+    args = parser.parse_args(argv)
+    result = run(args.repeats, args.fresh_repeats, not args.no_ci)
+    command = "python -m conformance.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.update_readme:
+        update_readme(Path(args.update_readme), format_markdown(result, command.strip()))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(format_markdown(result, command.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Crash states rebuilt offline: parsing a recording, replaying it, judging a resumed probe."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.crash_states import (Op, Replayer, UnreplayableTrace, build_state, crash_states,
+                                      judge_state, parse_recording, probe_specs, record_prefix, resumed_past)
+from conformance.tracing import strace_problem
+from conformance.trials import ProcessResult, RunSpec
+
+ROOT = Path("/run/ck")
+LOG = Path("/run/loss.jsonl")
+LOG_WRITE = '1 write(5</run/loss.jsonl>, "{\\"step\\": 1}\\n", 13) = 13'
+
+RECORDING = "\n".join([
+    '1 mkdir("/run/ck/step-3", 0777) = 0',
+    '1 openat(AT_FDCWD</run>, "/run/ck/step-3/.a.tmp", O_WRONLY|O_CREAT|O_EXCL|O_CLOEXEC, 0644) = 4</run/ck/step-3/.a.tmp>',
+    '1 write(4</run/ck/step-3/.a.tmp>, "PK\\x03\\x04\\n\\"q", 7) = 7',
+    '1 lseek(4</run/ck/step-3/.a.tmp>, 1, SEEK_SET) = 1',
+    '1 write(4</run/ck/step-3/.a.tmp>, "Z", 1) = 1',
+    '1 pwrite64(4</run/ck/step-3/.a.tmp>, "YY", 2, 5) = 2',
+    '1 writev(4</run/ck/step-3/.a.tmp>, [{iov_base="ab", iov_len=2}, {iov_base="cd", iov_len=2}], 2) = 3',
+    '1 fsync(4</run/ck/step-3/.a.tmp>) = 0',
+    '1 mkdir("/run/ck/step-3", 0777) = -1 EEXIST (File exists)',
+    '1 rename("/run/ck/step-3/.a.tmp", "/run/ck/step-3/a") = 0',
+    '1 openat(AT_FDCWD</run>, "/run/ck/step-3", O_RDONLY|O_DIRECTORY) = 6</run/ck/step-3>',
+    LOG_WRITE,
+    '2 openat(AT_FDCWD</run>, "/run/ck/x", O_WRONLY|O_CREAT|O_TRUNC, 0644 <unfinished ...>',
+    '1 write(9</dev/null>, "noise", 5) = 5',
+    '2 <... openat resumed>) = 7</run/ck/x>',
+    '2 write(7</run/ck/x>, "0123456789", 10) = 4',
+    '2 ftruncate(7</run/ck/x>, 2) = 0',
+    '1 rename("/run/ck/step-3", "/run/ck/step-03") = 0',
+    '1 unlinkat(AT_FDCWD</run>, "/run/ck/x", 0) = 0',
+])
+
+
+def test_parse_recording_keeps_mutations_with_their_data_and_step():
+    ops = parse_recording(RECORDING, ROOT, LOG)
+    assert [(o.kind, o.path) for o in ops] == [
+        ("mkdir", "step-3"), ("create", "step-3/.a.tmp"), ("write", "step-3/.a.tmp"), ("seek", "step-3/.a.tmp"),
+        ("write", "step-3/.a.tmp"), ("write", "step-3/.a.tmp"), ("write", "step-3/.a.tmp"), ("fsync", "step-3/.a.tmp"),
+        ("rename", "step-3/.a.tmp"), ("create", "x"), ("write", "x"), ("truncate", "x"), ("rename", "step-3"),
+        ("unlink", "x")]
+    assert ops[2].data == b'PK\x03\x04\n"q'
+    assert ops[5].offset == 5 and ops[6].data == b"abc"          # writev: only the bytes written
+    assert ops[10].data == b"0123"                               # a short write: what was written
+    assert [o.after_step for o in ops] == [0] * 9 + [1] * 5       # the loss-log write moved the step on
+
+
+def test_replayer_applies_prefixes_exactly(tmp_path):
+    ops = parse_recording(RECORDING, ROOT, LOG)
+    r = Replayer()
+    for op in ops:
+        r.apply(op)
+    assert dict(r.files) == {"step-03/a": bytearray(b"PZabcYY")}   # writev continues at the seek position
+    assert r.dirs == {".", "step-03"}
+    r.materialize(tmp_path / "out")
+    assert (tmp_path / "out/step-03/a").read_bytes() == b"PZabcYY"
+    state = crash_states(ops, 3)[3]   # before the lseek: the first write done, torn variant of it before
+    assert (state.before, state.torn) == (2, True)
+    build_state(ops, state, tmp_path / "torn")
+    assert (tmp_path / "torn/step-3/.a.tmp").read_bytes() == b"PK\x03"
+
+
+def test_crash_states_know_what_was_committed():
+    ops = parse_recording(RECORDING + "\n" + LOG_WRITE.replace("1}", "2}"), ROOT, LOG)
+    states = crash_states(ops, 3)
+    first = states[0]
+    assert (first.newest_committed, first.in_progress) == (0, None)
+    inside = [s for s in states if s.in_progress == 1]
+    assert inside and all(s.newest_committed == 0 for s in inside)
+    assert sum(s.torn for s in states) == 4   # every write of more than one byte
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('1 write(4</run/ck/a>, "abc"..., 9) = 9', "larger than"),
+    ('1 rename("/run/ck/a", "/elsewhere/a") = 0', "across the checkpoint directory's boundary"),
+])
+def test_unreplayable_recordings_say_why(line, problem):
+    with pytest.raises(UnreplayableTrace, match=problem):
+        parse_recording(line, ROOT, LOG)
+
+
+def _result(rc: int, losses: dict[int, float]) -> ProcessResult:
+    return ProcessResult(rc, losses, "")
+
+
+def test_probes_and_judgement():
+    from conformance.crash_states import CrashState
+    spec = RunSpec(14, 3, 0)
+    state = CrashState(10, False, "kill before op #10", newest_committed=3, in_progress=6)
+    assert [p.total_steps for p in probe_specs(spec, state)] == [4, 7]
+    base = {4: 1.0, 7: 2.0}
+    assert judge_state(state, _result(0, {4: 1.0}), base, RunSpec(4, 3, 0), 1e-4) is None
+    assert judge_state(state, _result(0, {7: 2.0}), base, RunSpec(7, 3, 0), 1e-4) is None
+    assert "from scratch" in judge_state(state, _result(0, {1: 0.5, 2: 0.5, 3: 0.5, 4: 1.0}), base, RunSpec(4, 3, 0), 1e-4)
+    assert "exited 1" in judge_state(state, _result(1, {}), base, RunSpec(4, 3, 0), 1e-4)
+    assert "loaded incomplete state" in judge_state(state, _result(0, {4: 1.5}), base, RunSpec(4, 3, 0), 1e-4)
+    assert resumed_past(_result(0, {})) and not resumed_past(_result(3, {}))
+    assert "without training" in judge_state(state, _result(0, {}), base, RunSpec(7, 3, 0), 1e-4)
+
+
+@pytest.mark.skipif(strace_problem() is not None, reason=f"strace unusable: {strace_problem()}")
+def test_recording_a_real_program_replays_to_its_final_state(tmp_path):
+    """Record a program that writes, renames and deletes under a directory; the replayed end state
+    equals what it left on disk, byte for byte."""
+    root, log = tmp_path / "ck", tmp_path / "log"
+    root.mkdir()
+    program = (
+        "import os, sys\n"
+        "root = sys.argv[1]\n"
+        "os.makedirs(os.path.join(root, 'd'))\n"
+        "with open(os.path.join(root, 'd', '.t'), 'wb') as f:\n"
+        "    f.write(bytes(range(256)) * 64); f.flush(); os.fsync(f.fileno())\n"
+        "os.replace(os.path.join(root, 'd', '.t'), os.path.join(root, 'd', 'f'))\n"
+        "with open(os.path.join(root, 'g'), 'w') as f: f.write('x' * 10)\n"
+        "os.unlink(os.path.join(root, 'g'))\n"
+        "os.rename(os.path.join(root, 'd'), os.path.join(root, 'e'))\n")
+    trace = tmp_path / "t.strace"
+    subprocess.run(record_prefix(trace) + [sys.executable, "-c", program, str(root)], check=True,
+                   env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    ops = parse_recording(trace.read_text(), root, log)
+    assert {o.kind for o in ops} >= {"mkdir", "create", "write", "fsync", "rename", "unlink"}
+    final = Replayer()
+    for op in ops:
+        final.apply(op)
+    final.materialize(tmp_path / "replayed")
+    assert (tmp_path / "replayed/e/f").read_bytes() == (root / "e/f").read_bytes()
+    assert sorted(p.relative_to(tmp_path / "replayed").as_posix() for p in (tmp_path / "replayed").rglob("*")) == \
+        sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
