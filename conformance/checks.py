@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from .crash_states import (build_state, crash_states, judge_state, parse_recordi
 from .crash import Schedule, format_schedule
 from .judge import fail, format_mismatches, loss_mismatches, stderr_tail
 from .plots import plot_name, plot_resume
-from .scenario import TrialOutcome, resume_point, run_schedule
+from .crash import CrashPoint
+from .scenario import CrashNotLanded, CrashPointMissing, TrialOutcome, resume_point, run_schedule
 from .trials import Baseline, RunSpec, WarmRunner, traced_run
 
 CHECK_IDS = ("determinism_precondition", "resume_matches_baseline", "no_lost_work", "no_torn_state",
@@ -46,6 +48,9 @@ class Session:
         self._determinism_numbers: dict[RunSpec, dict] = {}
         self._prefixes: dict[RunSpec, tuple[Baseline, int]] = {}
         self._recordings: dict[RunSpec, list] = {}
+        self._plain: dict[tuple[RunSpec, int], dict[int, float] | None] = {}
+        self._plain_lock = threading.Lock()
+        self._reads: dict[RunSpec, set[str]] = {}
 
     def close(self) -> None:
         close = getattr(self.runner, "close", None)
@@ -109,16 +114,59 @@ class Session:
             trace.unlink(missing_ok=True)
         return self._recordings[spec]
 
+    def plain_resume_losses(self, spec: RunSpec, step: int) -> dict[int, float] | None:
+        """Losses of a resume from the checkpoint of `step` after a plain kill between steps (no
+        kill inside a save, nothing damaged), or None if that cannot be arranged. A curve that
+        matches this one came from a whole checkpoint, whatever else is wrong with the resume."""
+        key = (spec, step)
+        with self._plain_lock:   # crash states ask from several threads; run each resume once
+            return self._plain_resume_locked(key, spec, step)
+
+    def _plain_resume_locked(self, key, spec: RunSpec, step: int) -> dict[int, float] | None:
+        if key not in self._plain:
+            losses = None
+            if 0 < step < spec.total_steps:
+                try:
+                    outcome = run_schedule(self.runner, self.adapter, spec, (CrashPoint("step", step),),
+                                           self.case_dir("plain-resume"), self.baseline(spec))
+                    if outcome.resume_points[-1] == step and outcome.final.returncode == 0:
+                        losses = outcome.final.losses
+                except (CrashNotLanded, CrashPointMissing):
+                    pass
+            self._plain[key] = losses
+        return self._plain[key]
+
+    def same_as_plain_resume(self, spec: RunSpec, step: int, losses: dict[int, float]) -> bool:
+        plain = self.plain_resume_losses(spec, step)
+        return bool(plain) and bool(losses) and set(losses) <= set(plain) and not loss_mismatches(plain, losses, self.tol)
+
+    def files_read_on_resume(self, spec: RunSpec) -> set[str]:
+        """Files (relative to the checkpoint directory) a resume from the prefix run's directory
+        opens: the corruption checks damage one of these, not a copy the trainer never reads."""
+        if spec not in self._reads:
+            prefix, _ = self.prefix(spec)
+            resumed = traced_run(self.runner, self.adapter, RunSpec(_stop_of(spec) + 1, spec.save_every, spec.seed),
+                                 self.case_dir("reads"), tag="resume", prepare=prefix.ckpt_dir)
+            root = str(resumed.ckpt_dir) + os.sep
+            self._reads[spec] = {p[len(root):] for e in resumed.trace.entries if e.op == "read"
+                                 and e.syscall in ("openat", "open") for p in e.paths if p.startswith(root)}
+        return self._reads[spec]
+
     def prefix(self, spec: RunSpec) -> tuple[Baseline, int]:
         """A traced run stopped at the last save before total_steps, keeping an older save."""
         if spec not in self._prefixes:
-            stop = spec.save_every * ((spec.total_steps - 1) // spec.save_every)
+            stop = _stop_of(spec)
             if stop < 2 * spec.save_every:
                 raise ValueError(f"total_steps={spec.total_steps} leaves no room for two saves "
                                  f"before the end with save_every={spec.save_every}")
             short = RunSpec(stop, spec.save_every, spec.seed)
             self._prefixes[spec] = (traced_run(self.runner, self.adapter, short, self.case_dir("prefix")), stop)
         return self._prefixes[spec]
+
+
+def _stop_of(spec: RunSpec) -> int:
+    """The last save before total_steps: where the prefix run (for damage checks) stops."""
+    return spec.save_every * ((spec.total_steps - 1) // spec.save_every)
 
 
 # -- determinism ----------------------------------------------------------------------------------
@@ -252,6 +300,11 @@ def judge_no_torn_state(session: Session, outcome: TrialOutcome) -> None:
         if r not in (c.newest_committed, c.in_progress):
             continue  # lost work, judged by no_lost_work
         rows = loss_mismatches(base.losses, nxt.losses, session.tol)
+        if rows and r > 0 and session.same_as_plain_resume(outcome.spec, r, nxt.losses):
+            report.record("note", text=f"crash {i + 1}: the curve after resuming from step {r} diverges exactly "
+                                       "as a plain resume from that checkpoint does: whole checkpoint, a "
+                                       "resume_matches_baseline problem")
+            continue
         if rows:
             raise fail("no_torn_state", session.adapter, outcome.spec,
                        f"after a kill inside the save of step {c.in_progress} the trainer resumed from "
@@ -300,6 +353,9 @@ def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = No
             if i + 1 == len(probes) or not resumed_past(result):
                 break
         problem = judge_state(state, result, base, probe, session.tol)
+        if problem and result.returncode == 0 and result.first_step and result.first_step > 1 \
+                and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
+            problem = None   # the same step as a plain resume from that checkpoint: it was whole
         if problem is None:
             shutil.rmtree(d, ignore_errors=True)
         return state, problem, result
@@ -381,7 +437,10 @@ def _copy_prefix(session: Session, spec: RunSpec, name: str, check: str) -> tupl
 def check_corruption(session: Session, spec: RunSpec, kind: str) -> None:
     check = "corruption_detected"
     d, files, stop = _copy_prefix(session, spec, f"corrupt-{kind}", "corruption_detected")
-    target = max(files, key=lambda p: p.stat().st_size)
+    read = session.files_read_on_resume(spec)
+    ckpt = (d / "ckpt").resolve()
+    candidates = [f for f in files if f.relative_to(ckpt).as_posix() in read] or files
+    target = max(candidates, key=lambda p: p.stat().st_size)
     what = corrupt(kind, target)
     result = session.runner.run_process(session.adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
     base = session.baseline(spec)
@@ -399,6 +458,11 @@ def check_corruption(session: Session, spec: RunSpec, kind: str) -> None:
                        f"{result.returncode} without a message on stderr", details=details, extra=f"--corruption={kind}")
         return
     rows = loss_mismatches(base.losses, result.losses, session.tol)
+    if rows and r > 0 and session.same_as_plain_resume(spec, r, result.losses):
+        # The trainer resumed from step r exactly as from an undamaged checkpoint: the damage changed
+        # nothing it used. (Its divergence is a resume_matches_baseline problem.)
+        report.record("note", text=f"same curve as a plain resume from step {r}: the damage changed nothing the run used")
+        rows = []
     if rows:
         plot = plot_mismatch(session, check, spec, extra=f"corruption={kind}",
                              resumed=[(f"resumed after {kind} of {target.name}", result.losses)], resumes=[r])
@@ -414,20 +478,30 @@ def check_corruption(session: Session, spec: RunSpec, kind: str) -> None:
 
 
 def check_untrusted(session: Session, spec: RunSpec) -> None:
-    d, files, stop = _copy_prefix(session, spec, "untrusted", "untrusted_checkpoint")
-    marker = d / "UNTRUSTED-CODE-RAN"
-    for f in files:
-        plant_malicious_pickle(f, marker)
-    result = session.runner.run_process(session.adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
-    report.record("untrusted", files=[f.name for f in files], code_ran=marker.exists(),
-                  exit_code=result.returncode, resumed_from=resume_point(result, spec),
-                  summary=f"{len(files)} file(s) replaced by a code-running pickle: code "
-                          + ("RAN" if marker.exists() else "did not run") + f", exit {result.returncode}")
-    if marker.exists():
+    """One file at a time: a loader that parses a safe file first would otherwise fail before it
+    reaches the one it unpickles unsafely."""
+    _, files, stop = _copy_prefix(session, spec, "untrusted", "untrusted_checkpoint")
+    outcomes = []
+    for i in range(len(files)):
+        d, copies, _ = _copy_prefix(session, spec, f"untrusted-{i}", "untrusted_checkpoint")
+        target = copies[i]
+        marker = d / "UNTRUSTED-CODE-RAN"
+        plant_malicious_pickle(target, marker)
+        result = session.runner.run_process(session.adapter, spec, (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
+        outcomes.append((target, marker.exists(), result))
+    ran = [(t, r) for t, hit, r in outcomes if hit]
+    report.record("untrusted", files=[t.name for t, _, _ in outcomes], code_ran=[t.name for t, _ in ran],
+                  exit_codes=[r.returncode for _, _, r in outcomes],
+                  summary=f"{len(outcomes)} file(s) replaced one at a time by a code-running pickle: code "
+                          + (f"RAN for {', '.join(t.name for t, _ in ran)}" if ran else "never ran"))
+    if ran:
+        target, result = ran[0]
         raise fail("untrusted_checkpoint", session.adapter, spec,
-                   f"loading the checkpoint of step {stop} ran code embedded in it (weights_only=False "
-                   "or plain pickle on an untrusted file)",
-                   details=f"  replaced: {', '.join(f.name for f in files)}\n  exit code: {result.returncode}")
+                   f"loading the checkpoint of step {stop} ran code embedded in {target.name} "
+                   "(weights_only=False or plain pickle on an untrusted file)",
+                   details=f"  replaced (one at a time): {', '.join(t.name for t, _, _ in outcomes)}\n"
+                           f"  code ran when replacing: {', '.join(t.name for t, _ in ran)}\n"
+                           f"  exit code: {result.returncode}")
 
 
 def check_legacy_sample(session: Session, spec: RunSpec, sample: LegacySample) -> None:

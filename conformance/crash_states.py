@@ -54,6 +54,7 @@ class Op:
     fd: int = -1
     flags: str = ""
     after_step: int = 0       # the last step logged before this operation
+    inside: bool = True       # False: a file elsewhere (paths absolute), e.g. a temp file later renamed in
 
     def describe(self) -> str:
         if self.kind == "write":
@@ -97,12 +98,19 @@ def parse_recording(text: str, root: Path, loss_log: Path) -> list[Op]:
     logged = 0
 
     def rel(path: str | None) -> str | None:
+        """Path relative to the root for files under it; absolute for other regular paths (kept
+        so that a file written elsewhere and renamed in has its bytes); None for the rest."""
         if path is None:
             return None
         path = path.removesuffix(" (deleted)")
         if path == root_s:
             return "."
-        return path[len(root_s) + 1:] if path.startswith(root_s + os.sep) else None
+        if path.startswith(root_s + os.sep):
+            return path[len(root_s) + 1:]
+        if path.startswith("/") and path != log_s and (
+                path.startswith("/dev/shm/") or not path.startswith(("/dev/", "/proc/", "/sys/"))):
+            return path
+        return None
 
     def fd_of(arg: str) -> tuple[int, str | None]:
         m = _FD_PATH_RE.match(arg)
@@ -110,7 +118,8 @@ def parse_recording(text: str, root: Path, loss_log: Path) -> list[Op]:
         return (int(num.group()) if num else -1), (rel(m.group("path")) if m else None)
 
     def add(kind: str, path: str, **kw) -> None:
-        ops.append(Op(len(ops), kind, path, after_step=logged, **kw))
+        inside = not path.startswith("/") or not kw.get("target", "/").startswith("/")
+        ops.append(Op(len(ops), kind, path, after_step=logged, inside=inside, **kw))
 
     for line in _joined_lines(text):
         m = _LINE_RE.match(line)
@@ -159,10 +168,10 @@ def parse_recording(text: str, root: Path, loss_log: Path) -> list[Op]:
             else:
                 src, dst = _resolve(args[0], args[1]), _resolve(args[2], args[3])
             s, d = rel(src), rel(dst)
-            if s is None and d is None:
-                continue
             if s is None or d is None:
-                raise UnreplayableTrace(f"{call} across the checkpoint directory's boundary: {src} -> {dst}")
+                if (s or "/").startswith("/") and (d or "/").startswith("/"):
+                    continue   # nothing under the checkpoint directory
+                raise UnreplayableTrace(f"{call} from or to a path that is not a regular file: {src} -> {dst}")
             add("rename" if call.startswith("rename") else "link", s, target=d)
         elif call in ("unlink", "unlinkat", "rmdir"):
             path = rel(_resolve(args[0], args[1]) if call == "unlinkat" else _resolve(None, args[0]))
@@ -182,7 +191,10 @@ def parse_recording(text: str, root: Path, loss_log: Path) -> list[Op]:
             fd, path = fd_of(args[0])
             if path is not None:
                 add("fsync", path, fd=fd)
-    return ops
+    # Operations elsewhere matter only for files that end up under the root: drop the rest.
+    feeding = {op.path for op in ops if op.kind in ("rename", "link") and op.inside}
+    kept = [op for op in ops if op.inside or any(op.path == f or op.path.startswith(f + "/") for f in feeding)]
+    return [dataclasses.replace(op, index=i) for i, op in enumerate(kept)]
 
 
 # -- the offline filesystem -----------------------------------------------------------------------
@@ -248,8 +260,11 @@ class Replayer:
     def materialize(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         for d in sorted(self.dirs, key=len):
-            (directory / d).mkdir(parents=True, exist_ok=True)
+            if not d.startswith("/"):
+                (directory / d).mkdir(parents=True, exist_ok=True)
         for p, data in self.files.items():
+            if p.startswith("/"):
+                continue   # a file outside the checkpoint directory (not renamed in yet)
             target = directory / p
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(bytes(data))
@@ -287,7 +302,7 @@ def crash_states(ops: list[Op], save_every: int, *, only_save: int | None = None
     last_of = {s: max(idx) for s, idx in windows.items() if s}
     states = []
     for op in ops:
-        if only_save is not None and op.after_step != only_save:
+        if not op.inside or (only_save is not None and op.after_step != only_save):
             continue
         finished = [s for s, last in last_of.items() if last < op.index]
         newest = max(finished, default=0)

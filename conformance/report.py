@@ -117,7 +117,7 @@ def _summary_of(case: dict[str, Any]) -> str:
         diffs = [t["max_abs_diff"] for t in trials if isinstance(t.get("max_abs_diff"), (int, float))]
         if diffs:
             parts.append(f"max |loss diff| {max(diffs):.3g}")
-    parts += [e.get("summary", "") for e in ev if e.get("kind") != "trial"]
+    parts += [e.get("summary") or e.get("text", "") for e in ev if e.get("kind") != "trial"]
     return "; ".join(p for p in parts if p).replace("|", "\\|")[:300]
 
 

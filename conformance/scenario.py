@@ -56,7 +56,10 @@ class TrialOutcome:
 
 
 def _shape(path: str, root: Path) -> str:
+    """A path with the parts that legitimately differ between runs masked: the run's root, hex
+    and digits (pids, tokens, steps) and `tempfile`'s random names (`tmpXXXXXXXX`, `.tmpXXXXXX`)."""
     rel = path[len(str(root)):] if path.startswith(str(root)) else path
+    rel = re.sub(r"tmp[A-Za-z0-9_]{6,8}(?=$|/)", "tmp*", rel)
     return re.sub(r"[0-9a-f]{6,}|\d+", "#", rel)
 
 
