@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import report
 from .adapters import LegacySample, TrainerAdapter
-from .corrupt import corrupt, plant_malicious_pickle
+from .corrupt import KINDS, corrupt, plant_malicious_pickle
 from .crash_states import (build_state, crash_states, judge_state, parse_recording, probe_specs,
                            record_prefix, resumed_past)
 from .crash import Schedule, format_schedule
@@ -26,6 +26,8 @@ from .trials import Baseline, RunSpec, WarmRunner, traced_run
 CHECK_IDS = ("determinism_precondition", "resume_matches_baseline", "no_lost_work", "no_torn_state",
              "crash_states", "corruption_detected", "untrusted_checkpoint", "schema_migration")
 DEFAULT_TOL = 1e-4
+# Checks run once per parameter; the test id is `<check>[<param>]` (what expected-failure entries match).
+CHECK_PARAMS = {"no_lost_work": ("between_saves", "inside_save"), "corruption_detected": KINDS}
 
 
 class NotDeterministic(Exception):

@@ -14,8 +14,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .checks import CHECK_IDS
-from .corrupt import KINDS
+from .checks import CHECK_IDS, CHECK_PARAMS
 
 
 class ExpectedFailuresError(ValueError):
@@ -32,7 +31,7 @@ class Entry:
 def all_check_ids() -> list[str]:
     ids = []
     for check in CHECK_IDS:
-        ids += [f"{check}[{k}]" for k in KINDS] if check == "corruption_detected" else [check]
+        ids += [f"{check}[{k}]" for k in CHECK_PARAMS[check]] if check in CHECK_PARAMS else [check]
     return ids
 
 

@@ -18,9 +18,8 @@ from hypothesis import strategies as st
 from . import checks
 from .plugin import SEEDED_PROFILES
 from .scenario import CrashPointMissing
-from .corrupt import KINDS
 from .crash import format_schedule
-from .strategies import CADENCES, fs_points, in_save_points, schedules, step_points
+from .strategies import CADENCES, after_save_points, fs_points, in_save_points, schedules
 from .tracing import strace_problem
 from .trials import RunSpec
 
@@ -91,13 +90,16 @@ class ResumeConformance:
         """After any crash schedule the run finishes (exit 0) on the uninterrupted loss curve."""
         self._schedule_check(session, data, "resume_matches_baseline", lambda b: schedules(b, max_crashes=2))
 
+    @pytest.mark.parametrize("where", checks.CHECK_PARAMS["no_lost_work"])
     @_profile_seed
     @_SLOW_OK
     @given(data=st.data())
-    def test_no_lost_work(self, session, data):
-        """The trainer resumes from the newest checkpoint committed before the crash."""
-        self._schedule_check(session, data, "no_lost_work",
-                             lambda b: st.one_of(in_save_points(b), step_points(b), fs_points(b)).map(lambda p: (p,)))
+    def test_no_lost_work(self, session, data, where):
+        """The trainer resumes from the newest checkpoint committed before the crash: killed
+        between saves (is the newest one found?) or inside a save (is the previous one kept?)."""
+        points = after_save_points if where == "between_saves" else \
+            (lambda b: st.one_of(in_save_points(b), fs_points(b)))
+        self._schedule_check(session, data, "no_lost_work", lambda b: points(b).map(lambda p: (p,)))
 
     @_profile_seed
     @_SLOW_OK
@@ -114,7 +116,7 @@ class ResumeConformance:
         self.require_deterministic(session, spec)
         checks.check_crash_states(session, spec)
 
-    @pytest.mark.parametrize("kind", KINDS)
+    @pytest.mark.parametrize("kind", checks.CHECK_PARAMS["corruption_detected"])
     def test_corruption_detected(self, session, kind):
         """A truncated, bit-flipped or deleted file of the newest checkpoint is never loaded silently."""
         spec = self.spec()

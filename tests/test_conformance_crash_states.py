@@ -80,7 +80,7 @@ def test_crash_states_know_what_was_committed():
 
 @pytest.mark.parametrize("line, problem", [
     ('1 write(4</run/ck/a>, "abc"..., 9) = 9', "larger than"),
-    ('1 rename("/run/ck/a", "/elsewhere/a") = 0', "across the checkpoint directory's boundary"),
+    ('1 renameat(5<socket:[7]>, "a", AT_FDCWD</run>, "/run/ck/b") = 0', "not a regular file"),
 ])
 def test_unreplayable_recordings_say_why(line, problem):
     with pytest.raises(UnreplayableTrace, match=problem):
@@ -134,3 +134,23 @@ def test_recording_a_real_program_replays_to_its_final_state(tmp_path):
     assert (tmp_path / "replayed/e/f").read_bytes() == (root / "e/f").read_bytes()
     assert sorted(p.relative_to(tmp_path / "replayed").as_posix() for p in (tmp_path / "replayed").rglob("*")) == \
         sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+def test_a_file_written_elsewhere_and_renamed_in_keeps_its_bytes(tmp_path):
+    """Lightning (through fsspec) writes its checkpoint to a temp file in the system temp directory
+    and renames it into the checkpoint directory: the rename is a crash point, the temp file is not."""
+    text = "\n".join([
+        '1 openat(AT_FDCWD</run>, "/tmp/tmpab12_xyz", O_RDWR|O_CREAT|O_EXCL, 0600) = 4</tmp/tmpab12_xyz>',
+        '1 write(4</tmp/tmpab12_xyz>, "ckpt-bytes", 10) = 10',
+        '1 write(8</tmp/unrelated.log>, "noise", 5) = 5',
+        '1 rename("/tmp/tmpab12_xyz", "/run/ck/last.ckpt") = 0',
+        '1 rename("/run/ck/old.ckpt", "/tmp/trash") = 0',
+    ])
+    ops = parse_recording(text, ROOT, LOG)
+    assert [(o.kind, o.inside) for o in ops] == [("create", False), ("write", False), ("rename", True),
+                                                  ("rename", True)]
+    states = crash_states(ops, 3)
+    assert [s.before for s in states] == [2, 3]          # crash points only under the checkpoint dir
+    build_state(ops, states[1], tmp_path / "s")
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["last.ckpt"]
+    assert (tmp_path / "s/last.ckpt").read_bytes() == b"ckpt-bytes"
