@@ -42,6 +42,7 @@ class Session:
         self.adapter = adapter
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="conformance-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.scratch = scratch_root(self.workdir)
         self.plot_dir = Path(plot_dir) if plot_dir else self.workdir / "plots"
         self.runner = runner or WarmRunner()
         self.tol = tol
@@ -58,9 +59,11 @@ class Session:
         close = getattr(self.runner, "close", None)
         if close:
             close()
+        if self.scratch != self.workdir:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def case_dir(self, name: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.workdir))
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.scratch))
 
     def baseline(self, spec: RunSpec) -> Baseline:
         key = (spec,)
@@ -342,18 +345,24 @@ def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = No
                              "with a 't' suffix for a torn write")
     base = session.baseline(spec).losses
 
-    state_root = _scratch_dir(session, sum(len(op.data) for op in ops))
+    state_root = session.case_dir("states")
+
+    committed_saves: set[int] = set()   # saves seen complete in some state: later states start there
 
     def check_one(state):
         d = Path(tempfile.mkdtemp(prefix=f"state-{state.label}-", dir=state_root))
         ckpt, log = (d / "ckpt").resolve(), (d / "loss.jsonl").resolve()
         probes = probe_specs(spec, state)
+        if state.in_progress in committed_saves:
+            probes = probes[-1:]   # one probe: resuming from either allowed checkpoint passes it
         for i, probe in enumerate(probes):
             build_state(ops, state, ckpt)
             log.unlink(missing_ok=True)
             result = session.runner.run_process(session.adapter, probe, ckpt, log)
             if i + 1 == len(probes) or not resumed_past(result):
                 break
+        if len(probes) > 1 and probe is probes[-1] and result.first_step == (state.in_progress or 0) + 1:
+            committed_saves.add(state.in_progress)
         problem = judge_state(state, result, base, probe, session.tol)
         if problem and result.returncode == 0 and result.first_step and result.first_step > 1 \
                 and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
@@ -372,10 +381,10 @@ def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = No
                     if len(failures) >= MAX_STATE_FAILURES:
                         break
     finally:
-        if state_root != session.workdir:   # keep failing states next to the other work files
+        if session.scratch != session.workdir:   # keep failing states with the session's work files
             for d in state_root.iterdir():
                 shutil.move(str(d), session.workdir / d.name)
-            shutil.rmtree(state_root, ignore_errors=True)
+        shutil.rmtree(state_root, ignore_errors=True)
     report.record("crash_states", states=len(states), operations=len(ops), failed=len(failures),
                   failing=[s.label for s, _, _ in failures],
                   summary=f"{len(states)} crash states rebuilt from {len(ops)} recorded operations"
@@ -393,18 +402,32 @@ def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = No
     return len(states)
 
 
-def _scratch_dir(session: Session, data_bytes: int) -> Path:
-    """Where crash states are built: tmpfs when it has ample room (a kill keeps the page cache,
-    so durability plays no part in these states, and the probes' fsyncs cost nothing there),
-    else the session's work directory."""
+def scratch_root(workdir: Path) -> Path:
+    """Where trainer processes keep their checkpoint directories during a session.
+
+    CONFORMANCE_SCRATCH=auto (default): a directory on tmpfs (/dev/shm) when it has at least
+    SCRATCH_MIN_FREE bytes free, else `workdir`. The checks kill processes, and a kill keeps the
+    page cache, so durability plays no part in any verdict while fsync on tmpfs costs nothing.
+    Set it to a path (e.g. for a trainer that needs O_DIRECT, or checkpoints too big for RAM), or
+    to `workdir`."""
+    choice = os.environ.get("CONFORMANCE_SCRATCH", "auto")
+    if choice == "workdir":
+        return workdir
+    if choice != "auto":
+        path = Path(choice)
+        path.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="conformance-", dir=path))
     shm = Path("/dev/shm")
     try:
         st = os.statvfs(shm)
-        if st.f_bavail * st.f_frsize > max(1 << 30, 64 * data_bytes) and os.access(shm, os.W_OK):
-            return Path(tempfile.mkdtemp(prefix="conformance-states-", dir=shm))
+        if st.f_bavail * st.f_frsize >= SCRATCH_MIN_FREE and os.access(shm, os.W_OK):
+            return Path(tempfile.mkdtemp(prefix="conformance-", dir=shm))
     except OSError:
         pass
-    return session.workdir
+    return workdir
+
+
+SCRATCH_MIN_FREE = 2 << 30
 
 
 # -- files of the newest checkpoint ---------------------------------------------------------------

@@ -81,11 +81,15 @@ def serve(preload: list[str]) -> None:
         import torch._dynamo  # noqa: F401
     except Exception as exc:
         print(f"forkserver: cannot preload torch._dynamo: {exc!r}", file=sys.stderr)
+    # Bytecode may be cached for the trainer's module here, so children running it as __main__
+    # skip compiling it; children never write bytecode (it would shift their write counts).
+    sys.dont_write_bytecode = False
     for module in preload:
         try:
             importlib.import_module(module)
         except Exception as exc:  # a module that cannot be preloaded is simply imported per child
             print(f"forkserver: cannot preload {module}: {exc!r}", file=sys.stderr)
+    sys.dont_write_bytecode = True
     import selectors
 
     wake_r, wake_w = os.pipe()
@@ -220,12 +224,14 @@ class ForkServer:
                 self._get(q)
                 raise
             self._send({"op": "go", "id": rid})
-            timer = threading.Timer(timeout, lambda: _kill(pid))
-            timer.start()
             try:
-                status = self._get(q)["status"]
-            finally:
-                timer.cancel()
+                msg = q.get(timeout=timeout)
+            except queue.Empty:
+                _kill(pid)
+                msg = q.get()
+            if "error" in msg:
+                raise RuntimeError(msg["error"])
+            status = msg["status"]
             if tracer is not None:
                 try:
                     tracer.wait(timeout=60)

@@ -170,6 +170,17 @@ def _write_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num
     return index
 
 
+PARALLEL_MIN_BYTES = 4 << 20
+
+
+def _default_workers(entries: list[dict[str, Any]]) -> int:
+    """One thread per file for real checkpoints; none for small ones, where starting threads
+    costs more than hashing and reading a few hundred kilobytes."""
+    if sum(int(e.get("bytes", 0)) for e in entries) < PARALLEL_MIN_BYTES:
+        return 1
+    return min(len(entries), os.cpu_count() or 1)
+
+
 def check_sizes(directory: str | os.PathLike) -> dict[str, Any]:
     """Cheap completeness check: the index is valid and every file exists with its size."""
     directory = Path(directory)
@@ -206,7 +217,7 @@ def verify_sharded(directory: str | os.PathLike, *, max_workers: int | None = No
             raise CorruptCheckpointError(path, f"sha256 mismatch: index.json says {entry['sha256']}, "
                                                f"file has {digest}")
 
-    workers = max_workers or min(len(index["files"]), os.cpu_count() or 1)
+    workers = max_workers or _default_workers(index["files"])
     if workers > 1:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             list(pool.map(hash_one, index["files"]))
@@ -236,7 +247,7 @@ def _read_verified(directory: Path, index: dict[str, Any], *, max_workers: int |
         return entry["name"], buffer
 
     files = sorted(index["files"], key=lambda e: -e["bytes"])  # largest first: balanced threads
-    workers = max_workers or min(len(files), os.cpu_count() or 1)
+    workers = max_workers or _default_workers(files)
     if workers > 1:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return dict(pool.map(read_one, files))
@@ -263,7 +274,7 @@ def load_sharded(directory: str | os.PathLike, map_location=None, *, verify: boo
         return entry, safe_torch_load(directory / entry["name"], map_location=map_location,
                                       buffer=buffers.pop(entry["name"], None))
 
-    workers = max_workers or min(len(index["files"]), os.cpu_count() or 1)
+    workers = max_workers or _default_workers(index["files"])
     with (ThreadPoolExecutor(max_workers=workers) if workers > 1 else contextlib.nullcontext()) as pool:
         loaded = list(pool.map(load_one, shards)) if pool else [load_one(e) for e in shards]
     merged: dict[str, Any] = {}
