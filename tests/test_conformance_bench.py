@@ -1,0 +1,47 @@
+"""The speed benchmark's report (the measurements themselves are run by hand: timed tests on
+shared machines would be noise)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conformance import bench
+
+
+def _result(trial=0.08, states=1200.0, ci=60.0):
+    return {"trial_vs_import": trial, "integrity_states_per_min": states, "ci_profile_seconds": ci,
+            "targets_met": {"trial_vs_import": bench._met("trial_vs_import", trial),
+                            "integrity_states_per_min": bench._met("integrity_states_per_min", states),
+                            "ci_profile_seconds": bench._met("ci_profile_seconds", ci)},
+            "details": {"bare_import_torch_s": 2.0, "warm_trial_s": 0.16, "fresh_trial_s": 8.0, "fresh_vs_warm": 50.0,
+                        "crash_states": 121, "crash_states_seconds": 6.0, "state_workers": 2,
+                        "ci": {"summary": "11 passed", "covers_every_fs_op_of_a_save": True,
+                               "crash_states_checked": 121, "recorded_operations": 105},
+                        "repeats": 7, "fresh_repeats": 3, "load_avg_before_after": [0.5, 0.9],
+                        "machine": {"cpus": 2, "python": "3.11", "torch": "2.13.0"}}}
+
+
+def test_targets_and_markdown_table():
+    assert bench._met("trial_vs_import", 0.1) and not bench._met("trial_vs_import", 0.11)
+    assert bench._met("integrity_states_per_min", 1000) and not bench._met("integrity_states_per_min", 999)
+    assert bench._met("ci_profile_seconds", None) is None
+    md = bench.format_markdown(_result(states=900.0), "python -m conformance.bench")
+    assert "| `trial_vs_import` | 0.080 | <= 0.1 | yes |" in md
+    assert "| `integrity_states_per_min` | 900 | >= 1000 | no |" in md
+    assert "every fs op of a save covered: yes (121 states / 105 recorded ops)" in md
+
+
+def test_update_readme_replaces_only_its_section(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{bench._MARKER}\n\nold table\n\n## next\nkept\n")
+    bench.update_readme(readme, "new table")
+    assert readme.read_text() == f"# x\n\n{bench._MARKER}\n\nnew table\n\n## next\nkept\n"
+
+
+def test_bench_help_names_the_json_keys():
+    out = subprocess.run([sys.executable, "-m", "conformance.bench", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for key in ("trial_vs_import", "integrity_states_per_min", "ci_profile_seconds"):
+        assert key in out.stdout
+    json.dumps(_result())  # the result is plain JSON
