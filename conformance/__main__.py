@@ -89,6 +89,7 @@ def _soak(args) -> int:
     for spec in adapters:
         for i in range(1, args.runs + 1):
             run_dir = out_dir / f"{spec.replace(':', '.').replace('/', '_')}-run{i}"
+            run_dir.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
                    f"--adapter={spec}", f"--hypothesis-profile={args.profile}", f"--conformance-report={run_dir}",
                    f"--basetemp={run_dir / 'tmp'}", *(["-n", args.workers] if args.workers != "0" else [])]
@@ -100,7 +101,9 @@ def _soak(args) -> int:
                 bad = [c for c in loaded["cases"] if c["outcome"] in ("failed", "error")]
                 counts = loaded["counts"]
             except ValueError as exc:
-                bad, counts = [{"check": "(no report)", "message": f"{exc}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"}], {}
+                output = (proc.stdout + proc.stderr).strip().splitlines()
+                bad, counts = [{"check": "(no report)", "message": f"pytest exited {proc.returncode}: "
+                                f"{output[-1] if output else ''} ({exc})"}], {}
             for case in bad:
                 first = (case.get("message") or "").strip().splitlines()
                 failures.append(f"{spec} run {i}: {case['check']}: {first[0] if first else ''}")
