@@ -22,8 +22,6 @@ from .trials import RunSpec
 
 
 def _replay(args) -> int:
-    import os
-    os.environ.setdefault("CONFORMANCE_SCRATCH", "workdir")   # keep the work files for inspection
     adapter = resolve(args.adapter, args.trainer_cmd)
     session = checks.Session(adapter, tol=args.loss_tol)
     spec = RunSpec(args.total_steps, args.save_every, args.seed)

@@ -405,12 +405,13 @@ def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = No
 def scratch_root(workdir: Path) -> Path:
     """Where trainer processes keep their checkpoint directories during a session.
 
-    CONFORMANCE_SCRATCH=auto (default): a directory on tmpfs (/dev/shm) when it has at least
-    SCRATCH_MIN_FREE bytes free, else `workdir`. The checks kill processes, and a kill keeps the
-    page cache, so durability plays no part in any verdict while fsync on tmpfs costs nothing.
-    Set it to a path (e.g. for a trainer that needs O_DIRECT, or checkpoints too big for RAM), or
-    to `workdir`."""
-    choice = os.environ.get("CONFORMANCE_SCRATCH", "auto")
+    CONFORMANCE_SCRATCH=workdir (default): the session's work directory. A path: a directory
+    under it. `auto`: tmpfs (/dev/shm) when it has at least SCRATCH_MIN_FREE bytes free (a kill
+    keeps the page cache, so durability plays no part in a verdict, and fsync there is free).
+    Not the default, because the filesystem can change what a trainer does: Lightning's temp file
+    lives in the system temp directory, and when the checkpoint directory is on another
+    filesystem its "atomic" move becomes an in-place copy."""
+    choice = os.environ.get("CONFORMANCE_SCRATCH", "workdir")
     if choice == "workdir":
         return workdir
     if choice != "auto":
