@@ -16,10 +16,9 @@ from .adapters import LegacySample, TrainerAdapter
 from .corrupt import KINDS, corrupt, plant_malicious_pickle
 from .crash_states import (build_state, crash_states, judge_state, parse_recording, probe_specs,
                            record_prefix, resumed_past)
-from .crash import Schedule, format_schedule
+from .crash import CrashPoint, Schedule, format_schedule
 from .judge import fail, format_mismatches, loss_mismatches, stderr_tail
 from .plots import plot_name, plot_resume
-from .crash import CrashPoint
 from .scenario import CrashNotLanded, CrashPointMissing, TrialOutcome, resume_point, run_schedule
 from .trials import Baseline, RunSpec, WarmRunner, traced_run
 
@@ -28,10 +27,6 @@ CHECK_IDS = ("determinism_precondition", "resume_matches_baseline", "no_lost_wor
 DEFAULT_TOL = 1e-4
 # Checks run once per parameter; the test id is `<check>[<param>]` (what expected-failure entries match).
 CHECK_PARAMS = {"no_lost_work": ("between_saves", "inside_save"), "corruption_detected": KINDS}
-
-
-class NotDeterministic(Exception):
-    """Two uninterrupted runs disagree: resume checks cannot be judged."""
 
 
 class Session:
@@ -149,8 +144,8 @@ class Session:
         """Files (relative to the checkpoint directory) a resume from the prefix run's directory
         opens: the corruption checks damage one of these, not a copy the trainer never reads."""
         if spec not in self._reads:
-            prefix, _ = self.prefix(spec)
-            resumed = traced_run(self.runner, self.adapter, RunSpec(_stop_of(spec) + 1, spec.save_every, spec.seed),
+            prefix, stop = self.prefix(spec)
+            resumed = traced_run(self.runner, self.adapter, RunSpec(stop + 1, spec.save_every, spec.seed),
                                  self.case_dir("reads"), tag="resume", prepare=prefix.ckpt_dir)
             root = str(resumed.ckpt_dir) + os.sep
             self._reads[spec] = {p[len(root):] for e in resumed.trace.entries if e.op == "read"
@@ -160,18 +155,13 @@ class Session:
     def prefix(self, spec: RunSpec) -> tuple[Baseline, int]:
         """A traced run stopped at the last save before total_steps, keeping an older save."""
         if spec not in self._prefixes:
-            stop = _stop_of(spec)
+            stop = spec.save_every * ((spec.total_steps - 1) // spec.save_every)
             if stop < 2 * spec.save_every:
                 raise ValueError(f"total_steps={spec.total_steps} leaves no room for two saves "
                                  f"before the end with save_every={spec.save_every}")
             short = RunSpec(stop, spec.save_every, spec.seed)
             self._prefixes[spec] = (traced_run(self.runner, self.adapter, short, self.case_dir("prefix")), stop)
         return self._prefixes[spec]
-
-
-def _stop_of(spec: RunSpec) -> int:
-    """The last save before total_steps: where the prefix run (for damage checks) stops."""
-    return spec.save_every * ((spec.total_steps - 1) // spec.save_every)
 
 
 # -- determinism ----------------------------------------------------------------------------------
@@ -204,13 +194,12 @@ def plot_mismatch(session: Session, check: str, spec: RunSpec, *, schedule: Sche
         written = f"not written: {exc!r}"
     if isinstance(written, Path):
         report.record("plot", path=str(written))
-        return f"  plot:     {written}"
     return f"  plot:     {written}"
 
 
 def _plot_trial(session: Session, check: str, outcome: TrialOutcome) -> str:
-    resumed = [(f"process 1 (killed at {outcome.crashed[0].point})", outcome.crashed[0].result.losses)]
-    resumed += outcome.all_losses() if outcome.crashed else []
+    resumed = [(f"process 1 (killed at {outcome.crashed[0].point})", outcome.crashed[0].result.losses),
+               *outcome.all_losses()]
     crashes = []
     for i, c in enumerate(outcome.crashed):
         start = 0 if i == 0 else max(outcome.resume_points[i - 1], 0)
@@ -337,7 +326,7 @@ STATE_WORKERS = int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, 
 def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = None) -> int:
     """Every state a kill can leave during one recorded run; returns how many were checked."""
     ops = session.recording(spec)
-    states = crash_states(ops, spec.save_every)
+    states = crash_states(ops)
     if only is not None:
         states = [s for s in states if s.label == only]
         if not states:
@@ -379,12 +368,16 @@ def check_crash_states(session: Session, spec: RunSpec, *, only: str | None = No
                 if problem:
                     failures.append((state, problem, result))
                     if len(failures) >= MAX_STATE_FAILURES:
+                        pool.shutdown(cancel_futures=True)   # enough to report: skip the rest
                         break
     finally:
-        if session.scratch != session.workdir:   # keep failing states with the session's work files
+        # Passing states removed their directories; failing ones stay for inspection, next to the
+        # session's other work files.
+        if session.scratch != session.workdir:
             for d in state_root.iterdir():
                 shutil.move(str(d), session.workdir / d.name)
-        shutil.rmtree(state_root, ignore_errors=True)
+        if not any(state_root.iterdir()):
+            state_root.rmdir()
     report.record("crash_states", states=len(states), operations=len(ops), failed=len(failures),
                   failing=[s.label for s, _, _ in failures],
                   summary=f"{len(states)} crash states rebuilt from {len(ops)} recorded operations"
@@ -506,10 +499,11 @@ def check_corruption(session: Session, spec: RunSpec, kind: str) -> None:
 def check_untrusted(session: Session, spec: RunSpec) -> None:
     """One file at a time: a loader that parses a safe file first would otherwise fail before it
     reaches the one it unpickles unsafely."""
-    _, files, stop = _copy_prefix(session, spec, "untrusted", "untrusted_checkpoint")
+    d, copies, stop = _copy_prefix(session, spec, "untrusted-0", "untrusted_checkpoint")
     outcomes = []
-    for i in range(len(files)):
-        d, copies, _ = _copy_prefix(session, spec, f"untrusted-{i}", "untrusted_checkpoint")
+    for i in range(len(copies)):
+        if i:   # a fresh copy for each file, so only that one file is replaced
+            d, copies, _ = _copy_prefix(session, spec, f"untrusted-{i}", "untrusted_checkpoint")
         target = copies[i]
         marker = d / "UNTRUSTED-CODE-RAN"
         plant_malicious_pickle(target, marker)

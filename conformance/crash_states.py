@@ -216,7 +216,7 @@ class Replayer:
                 self.files[op.path] = bytearray()
             self.positions[(op.fd, op.path)] = len(self.files[op.path]) if "O_APPEND" in op.flags else 0
         elif k == "write":
-            data = op.data[: max(1, len(op.data) // 2)] if torn else op.data
+            data = op.data[: torn_length(op.data)] if torn else op.data
             buf = self.files.setdefault(op.path, bytearray())
             pos = op.offset if op.offset is not None else self.positions.get((op.fd, op.path), len(buf))
             if pos > len(buf):
@@ -288,29 +288,28 @@ class CrashState:
         return f"{self.before}{'t' if self.torn else ''}"
 
 
-def save_windows(ops: list[Op], save_every: int) -> dict[int, list[int]]:
-    """Step s -> indices of ops made after logging step s and before logging s+1 (s's save)."""
-    windows: dict[int, list[int]] = {}
+def torn_length(data: bytes) -> int:
+    """How much of a write a kill landing during it leaves in a torn state: the first half."""
+    return max(1, len(data) // 2)
+
+
+def crash_states(ops: list[Op]) -> list[CrashState]:
+    """Every crash state of the recorded run, in order: before each operation under the
+    checkpoint directory, and during each write of more than one byte."""
+    last_op_of_save: dict[int, int] = {}   # step s -> index of the last op made in s's save window
     for op in ops:
-        windows.setdefault(op.after_step, []).append(op.index)
-    return windows
-
-
-def crash_states(ops: list[Op], save_every: int, *, only_save: int | None = None) -> list[CrashState]:
-    """Every crash state of the recorded run (or of one save's window), in order."""
-    windows = save_windows(ops, save_every)
-    last_of = {s: max(idx) for s, idx in windows.items() if s}
+        if op.after_step:
+            last_op_of_save[op.after_step] = op.index
     states = []
     for op in ops:
-        if not op.inside or (only_save is not None and op.after_step != only_save):
+        if not op.inside:
             continue
-        finished = [s for s, last in last_of.items() if last < op.index]
-        newest = max(finished, default=0)
+        newest = max((s for s, last in last_op_of_save.items() if last < op.index), default=0)
         in_progress = op.after_step or None
         states.append(CrashState(op.index, False, f"kill before op #{op.index}: {op.describe()}", newest, in_progress))
         if op.kind == "write" and len(op.data) > 1:
             states.append(CrashState(op.index, True, f"kill during op #{op.index}: {op.describe()}, only the first "
-                                     f"{max(1, len(op.data) // 2)} bytes written", newest, in_progress))
+                                     f"{torn_length(op.data)} bytes written", newest, in_progress))
     return states
 
 

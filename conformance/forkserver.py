@@ -182,6 +182,7 @@ class ForkServer:
         self._send_lock = threading.Lock()
         self._replies: dict[int, "queue.Queue[dict]"] = {}
         self._ids = itertools.count()
+        self._dead = False
         self._reader = threading.Thread(target=self._read_replies, daemon=True)
         self._reader.start()
 
@@ -191,6 +192,7 @@ class ForkServer:
             q = self._replies.get(msg.get("id"))
             if q is not None:
                 q.put(msg)
+        self._dead = True
         for q in list(self._replies.values()):
             q.put({"error": "fork server died"})
 
@@ -200,8 +202,9 @@ class ForkServer:
             self.proc.stdin.flush()
 
     @staticmethod
-    def _get(q: "queue.Queue[dict]") -> dict:
-        msg = q.get()
+    def _get(q: "queue.Queue[dict]", timeout: float | None = None) -> dict:
+        """The next reply for one request; raises queue.Empty after `timeout` seconds."""
+        msg = q.get(timeout=timeout)
         if "error" in msg:
             raise RuntimeError(msg["error"])
         return msg
@@ -213,6 +216,8 @@ class ForkServer:
         q: "queue.Queue[dict]" = queue.Queue()
         self._replies[rid] = q
         try:
+            if self._dead:   # registered after the reader's last word: no reply will ever come
+                raise RuntimeError("fork server died")
             self._send({"op": "fork", "id": rid, "module": module, "argv": argv, "env": env,
                         "stderr": str(stderr_path)})
             pid = self._get(q)["pid"]
@@ -225,13 +230,10 @@ class ForkServer:
                 raise
             self._send({"op": "go", "id": rid})
             try:
-                msg = q.get(timeout=timeout)
+                status = self._get(q, timeout)["status"]
             except queue.Empty:
                 _kill(pid)
-                msg = q.get()
-            if "error" in msg:
-                raise RuntimeError(msg["error"])
-            status = msg["status"]
+                status = self._get(q)["status"]
             if tracer is not None:
                 try:
                     tracer.wait(timeout=60)

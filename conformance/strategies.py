@@ -30,7 +30,7 @@ def after_save_points(baseline: Baseline) -> st.SearchStrategy[CrashPoint]:
     """Kills at a step boundary right after a save committed, newest save first (the one whose
     number has the most digits: `ckpt-12` against `ckpt-9`), then the other steps, latest first."""
     n, total = baseline.spec.save_every, baseline.spec.total_steps
-    saves = [s for s in range(n, total, n)]
+    saves = list(range(n, total, n))
     others = [k for k in range(total - 1, 0, -1) if k not in saves]
     return st.sampled_from(saves[::-1] + others or [1]).map(lambda k: CrashPoint("step", k))
 

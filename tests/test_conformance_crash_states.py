@@ -62,7 +62,7 @@ def test_replayer_applies_prefixes_exactly(tmp_path):
     assert r.dirs == {".", "step-03"}
     r.materialize(tmp_path / "out")
     assert (tmp_path / "out/step-03/a").read_bytes() == b"PZabcYY"
-    state = crash_states(ops, 3)[3]   # before the lseek: the first write done, torn variant of it before
+    state = crash_states(ops)[3]   # before the lseek: the first write done, torn variant of it before
     assert (state.before, state.torn) == (2, True)
     build_state(ops, state, tmp_path / "torn")
     assert (tmp_path / "torn/step-3/.a.tmp").read_bytes() == b"PK\x03"
@@ -70,7 +70,7 @@ def test_replayer_applies_prefixes_exactly(tmp_path):
 
 def test_crash_states_know_what_was_committed():
     ops = parse_recording(RECORDING + "\n" + LOG_WRITE.replace("1}", "2}"), ROOT, LOG)
-    states = crash_states(ops, 3)
+    states = crash_states(ops)
     first = states[0]
     assert (first.newest_committed, first.in_progress) == (0, None)
     inside = [s for s in states if s.in_progress == 1]
@@ -149,7 +149,7 @@ def test_a_file_written_elsewhere_and_renamed_in_keeps_its_bytes(tmp_path):
     ops = parse_recording(text, ROOT, LOG)
     assert [(o.kind, o.inside) for o in ops] == [("create", False), ("write", False), ("rename", True),
                                                   ("rename", True)]
-    states = crash_states(ops, 3)
+    states = crash_states(ops)
     assert [s.before for s in states] == [2, 3]          # crash points only under the checkpoint dir
     build_state(ops, states[1], tmp_path / "s")
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["last.ckpt"]
