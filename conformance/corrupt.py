@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import pickletools
 import struct
 import zipfile
 from pathlib import Path
@@ -19,24 +20,74 @@ def truncate(path: Path) -> str:
     return f"truncated {path.name} from {size} to {size // 2} bytes"
 
 
+_STORAGE_WIDTHS = {"DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2}
+
+
+def _zip_storage_widths(pickle_bytes: bytes) -> dict[str, int]:
+    """Storage key -> element width, for the floating-point storages a torch zip's data.pkl names.
+
+    Read from the pickle's opcodes without unpickling anything: each storage is persisted as
+    ('storage', torch.<Type>Storage, key, location, numel), so the string pushed right after a
+    storage class is its key (the class may come back from the memo for later tensors)."""
+    memo: dict[int, object] = {}
+    strings: list[str] = []
+    last: object = None
+    pending: str | None = None      # storage type whose key comes next
+    widths: dict[str, int] = {}
+    try:
+        for op, arg, _ in pickletools.genops(pickle_bytes):
+            name = op.name
+            if name in ("GLOBAL", "STACK_GLOBAL"):
+                module, cls = (arg.split(" ", 1) if name == "GLOBAL" else (strings[-2:] + ["", ""])[:2])
+                last = ("class", module, cls)
+                if module == "torch" and cls.endswith("Storage"):
+                    pending = cls
+            elif name in ("BINUNICODE", "SHORT_BINUNICODE", "UNICODE", "BINUNICODE8"):
+                strings.append(arg)
+                last = arg
+                if pending is not None:
+                    if pending in _STORAGE_WIDTHS:
+                        widths[arg] = _STORAGE_WIDTHS[pending]
+                    pending = None
+            elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+                memo[int(arg)] = last
+            elif name == "MEMOIZE":
+                memo[len(memo)] = last
+            elif name in ("BINGET", "LONG_BINGET", "GET"):
+                last = memo.get(int(arg))
+                if isinstance(last, tuple) and last[1] == "torch" and last[2].endswith("Storage"):
+                    pending = last[2]
+    except (ValueError, IndexError):
+        pass
+    return widths
+
+
 def _zip_tensor_offsets(path: Path) -> list[tuple[int, int]]:
-    """(offset, length) of every tensor-data record in a torch zip checkpoint."""
+    """(offset, element width) of every floating-point tensor-data record in a torch zip checkpoint."""
     try:
         with zipfile.ZipFile(path) as zf:
-            records = [i for i in zf.infolist() if "/data/" in i.filename and i.file_size >= 4]
-    except (zipfile.BadZipFile, OSError):
+            pkl = next((i for i in zf.infolist() if i.filename.endswith("data.pkl")), None)
+            widths = _zip_storage_widths(zf.read(pkl)) if pkl is not None else {}
+            records = [(i, widths[i.filename.rsplit("/", 1)[1]]) for i in zf.infolist()
+                       if "/data/" in i.filename and i.filename.rsplit("/", 1)[1] in widths
+                       and i.file_size >= widths[i.filename.rsplit("/", 1)[1]]]
+    except (zipfile.BadZipFile, OSError, KeyError):
         return []
     found = []
     with open(path, "rb") as f:
-        for rec in records:
+        for rec, width in records:
             f.seek(rec.header_offset)
             header = f.read(30)
             name_len, extra_len = struct.unpack("<HH", header[26:30])
-            found.append((rec.header_offset + 30 + name_len + extra_len, rec.file_size))
+            found.append((rec.header_offset + 30 + name_len + extra_len, width))
     return found
 
 
+_FLOAT_WIDTHS = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+
+
 def _safetensors_offset(path: Path) -> tuple[int, int] | None:
+    """(offset, element width) of the largest floating-point tensor in a safetensors file."""
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
@@ -45,34 +96,34 @@ def _safetensors_offset(path: Path) -> tuple[int, int] | None:
             header = json.loads(f.read(n))
     except (OSError, ValueError, struct.error):
         return None
-    best = None
+    best, best_len = None, -1
     for name, info in header.items():
-        if name == "__metadata__" or info.get("dtype") != "F32":
+        if name == "__metadata__" or info.get("dtype") not in _FLOAT_WIDTHS:
             continue
         start, end = info["data_offsets"]
-        if best is None or end - start > best[1]:
-            best = (8 + n + start, end - start)
+        if end - start >= _FLOAT_WIDTHS[info["dtype"]] and end - start > best_len:
+            best, best_len = (8 + n + start, _FLOAT_WIDTHS[info["dtype"]]), end - start
     return best
 
 
 def bitflip(path: Path) -> str:
-    """Flip the top exponent bit of the first float32 of every tensor in the file: each such
-    weight becomes ~1e38 or ~1e-38, which no silent load can hide from the loss curve (a single
-    flip could land in state the curve never reads, such as an RNG seed field)."""
+    """Flip the top exponent bit of the first element of every floating-point tensor in the file
+    (byte 1 of a float16/bfloat16, 3 of a float32, 7 of a float64, little-endian): each such
+    weight becomes huge or tiny, which no silent load can hide from the loss curve (a single flip
+    could land in state the curve never reads, such as an RNG seed field)."""
     located = _zip_tensor_offsets(path)
     if not located:
         one = _safetensors_offset(path)
         located = [one] if one else []
-    # little-endian float32: byte 3 holds sign + 7 exponent bits
-    offsets = [offset + 3 for offset, _ in located] or [path.stat().st_size // 2]
-    where = f"{len(located)} tensor record(s)" if located else "middle of file"
+    offsets = [offset + width - 1 for offset, width in located] or [path.stat().st_size // 2]
+    where = f"{len(located)} floating-point tensor record(s)" if located else "middle of file"
     with open(path, "r+b") as f:
         for offset in offsets:
             f.seek(offset)
             byte = f.read(1)[0]
             f.seek(offset)
             f.write(bytes([byte ^ 0x40]))
-    return f"flipped bit 0x40 of byte 3 in {where} of {path.name}"
+    return f"flipped the top exponent bit of the first element in {where} of {path.name}"
 
 
 def delete(path: Path) -> str:

@@ -172,17 +172,17 @@ def truncate(path: Path, size: int) -> None:
 
 # -- a small real training state ---------------------------------------------------------------
 
-def trainer_objects(seed: int = 0):
+def trainer_objects(seed: int = 0, dtype: torch.dtype = torch.float32):
     """The reference trainer's model, optimizer and scheduler, after a few steps (Adam state set)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-        torch.nn.Linear(16, 1))
+        torch.nn.Linear(16, 1)).to(dtype)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     g = torch.Generator().manual_seed(seed + 1)
     for _ in range(3):
-        x = torch.randn(8, 6, generator=g)
+        x = torch.randn(8, 6, generator=g, dtype=dtype)
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()

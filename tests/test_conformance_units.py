@@ -76,10 +76,36 @@ def _torch_file(tmp_path):
 def test_bitflip_hits_tensor_data_and_changes_a_weight_drastically(tmp_path):
     path = _torch_file(tmp_path)
     desc = bitflip(path)
-    assert "2 tensor record(s)" in desc
+    assert "2 floating-point tensor record(s)" in desc
     w = torch.load(path, weights_only=True)["w"]  # torch.load does not notice
     assert w[0].item() > 1e30 or w[0].item() < 1e-30
     assert torch.all(w[1:] == 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_bitflip_hits_the_top_exponent_bit_of_every_float_width(tmp_path, dtype):
+    path = tmp_path / "w.pt"
+    ints = torch.arange(5, dtype=torch.int64)
+    torch.save({"a": torch.full((8,), 0.5, dtype=dtype), "b": torch.full((3,), 0.5, dtype=dtype), "i": ints}, path)
+    bitflip(path)
+    loaded = torch.load(path, weights_only=True)
+    for key in ("a", "b"):   # the same storage class twice: the second comes from the pickle memo
+        first = abs(loaded[key][0].double().item())
+        assert first > 1e4 or first < 1e-4, (key, first)
+        assert torch.all(loaded[key][1:] == 0.5)
+    assert torch.equal(loaded["i"], ints)   # integer records (counters, RNG keys) are left alone
+
+
+def test_bitflip_in_safetensors_picks_the_largest_float_tensor(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = tmp_path / "m.safetensors"
+    safetensors_torch.save_file({"small": torch.full((2,), 0.5, dtype=torch.float64),
+                                 "big": torch.full((16,), 0.5, dtype=torch.float64),
+                                 "ids": torch.arange(64)}, str(path))
+    bitflip(path)
+    loaded = safetensors_torch.load_file(str(path))
+    assert loaded["big"][0].item() > 1e300 or loaded["big"][0].item() < 1e-300
+    assert torch.all(loaded["small"] == 0.5) and torch.equal(loaded["ids"], torch.arange(64))
 
 
 def test_bitflip_falls_back_to_the_middle_of_unknown_files(tmp_path):
