@@ -1,6 +1,6 @@
 """Command line.
 
-    python -m conformance replay --adapter=pkg.mod:ADAPTER --check=no_lost_work \
+    python -m conformance replay --adapter=pkg.mod:ADAPTER --check=no_lost_work[inside_save] \
         --total-steps=14 --save-every=3 --seed=0 --schedule=fs:7      # one case, from a failure message
     python -m conformance report conformance-report/report.json       # re-render a saved report
     python -m conformance soak --runs 5                                # the ci profile N times ("no crying wolf")
@@ -12,48 +12,42 @@ import json
 import sys
 from pathlib import Path
 
-from . import checks
-from .adapters import resolve
-from .corrupt import KINDS
-from .crash import parse_schedule
-from .judge import ConformanceFailure
-from .scenario import CrashNotLanded, CrashPointMissing
-from .trials import RunSpec
+DEFAULT_SOAK = "fixtures:CORRECT_TRAINERS"   # adapter specs of the project's correct trainers
 
 
 def _replay(args) -> int:
+    from .adapters import resolve
+    from .checks import Session, split_id
+    from .failures import ConformanceFailure
+    from .process import RunSpec
+    from .scenario import CrashNotLanded, CrashPointMissing
+    try:
+        check, param = split_id(args.check)
+    except KeyError:
+        print(f"error: unknown check id {args.check!r}", file=sys.stderr)
+        return 2
+    case = None
+    if check.case is not None:
+        text = getattr(args, check.case.name)
+        if text is None and check.case.required:
+            print(f"error: --{check.case.name} is required for {check.id}", file=sys.stderr)
+            return 2
+        case = check.case.parse(text) if text is not None else None
     adapter = resolve(args.adapter, args.trainer_cmd)
-    session = checks.Session(adapter, tol=args.loss_tol)
+    session = Session(adapter, tol=args.loss_tol)
     spec = RunSpec(args.total_steps, args.save_every, args.seed)
     try:
-        if args.check == "determinism_precondition":
-            checks.check_determinism(session, spec)
-        elif args.check in checks.JUDGES:
-            if args.schedule is None:
-                raise SystemExit("--schedule is required for this check")
-            checks.check_schedule(session, args.check, spec, parse_schedule(args.schedule))
-        elif args.check == "crash_states":
-            n = checks.check_crash_states(session, spec, only=args.state)
-            print(f"checked {n} crash state(s)")
-        elif args.check == "corruption_detected":
-            if args.corruption not in KINDS:
-                raise SystemExit(f"--corruption must be one of {KINDS}")
-            checks.check_corruption(session, spec, args.corruption)
-        elif args.check == "untrusted_checkpoint":
-            checks.check_untrusted(session, spec)
-        elif args.check == "schema_migration":
-            samples = [s for s in adapter.legacy_samples if args.legacy in (None, s.name)]
-            if not samples:
-                raise SystemExit(f"adapter has no legacy sample named {args.legacy!r}")
-            for sample in samples:
-                checks.check_legacy_sample(session, spec, sample)
+        result = check.decide(session, spec, param, case)
     except (ConformanceFailure, CrashNotLanded) as exc:
         print(f"FAIL\n{exc}")
         return 1
     except CrashPointMissing as exc:
         print(f"NOT APPLICABLE: {exc}")
         return 2
-    print(f"PASS [{args.check}] (work files kept in {session.workdir})")
+    finally:
+        session.close()
+    extra = f"; checked {result} crash state(s)" if isinstance(result, int) else ""
+    print(f"PASS [{args.check}]{extra} (work files kept in {session.workdir})")
     return 0
 
 
@@ -64,13 +58,12 @@ def _report(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = report.render_markdown(loaded) if args.format == "markdown" else json.dumps(loaded, indent=1) + "\n"
+    text = report.render_markdown(loaded) if args.format == "markdown" else json.dumps(loaded.to_json(), indent=1) + "\n"
     if args.out:
         Path(args.out).write_text(text)
     else:
         sys.stdout.write(text)
-    bad = loaded.get("counts", {})
-    return 1 if bad.get("failed") or bad.get("error") else 0
+    return 1 if loaded.failed else 0
 
 
 def _soak(args) -> int:
@@ -80,7 +73,8 @@ def _soak(args) -> int:
     import time
 
     from . import report
-    adapters = args.adapter or _default_correct_trainers()
+    from .adapters import load_object
+    adapters = args.adapter or list(load_object(DEFAULT_SOAK))
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="conformance-soak-"))
     failures: list[str] = []
     rows = []
@@ -96,45 +90,39 @@ def _soak(args) -> int:
             seconds = time.monotonic() - start
             try:
                 loaded = report.load_report(run_dir / "report.json")
-                bad = [c for c in loaded["cases"] if c["outcome"] in ("failed", "error")]
-                counts = loaded["counts"]
+                bad = [(c.check, c.message) for c in loaded.failed]
+                counts = loaded.counts
             except ValueError as exc:
                 output = (proc.stdout + proc.stderr).strip().splitlines()
-                bad, counts = [{"check": "(no report)", "message": f"pytest exited {proc.returncode}: "
-                                f"{output[-1] if output else ''} ({exc})"}], {}
-            for case in bad:
-                first = (case.get("message") or "").strip().splitlines()
-                failures.append(f"{spec} run {i}: {case['check']}: {first[0] if first else ''}")
+                bad, counts = [("(no report)", f"pytest exited {proc.returncode}: "
+                                f"{output[-1] if output else ''} ({exc})")], {}
+            for check, message in bad:
+                first = message.strip().splitlines()
+                failures.append(f"{spec} run {i}: {check}: {first[0] if first else ''}")
             rows.append((spec, i, seconds, counts, len(bad)))
             print(f"{spec} run {i}/{args.runs}: {len(bad)} failure(s), {counts} in {seconds:.0f}s", flush=True)
-    total = len(rows)
-    print(f"\nsoak: {total} run(s) of the '{args.profile}' profile against {len(adapters)} trainer(s); "
+    print(f"\nsoak: {len(rows)} run(s) of the '{args.profile}' profile against {len(adapters)} trainer(s); "
           f"{sum(r[4] > 0 for r in rows)} run(s) with failures. Reports under {out_dir}")
     for line in failures:
         print(f"  FAIL {line}")
     return 1 if failures else 0
 
 
-def _default_correct_trainers() -> list[str]:
-    from fixtures import CORRECT_TRAINERS
-    return list(CORRECT_TRAINERS)
-
-
 def main(argv: list[str] | None = None) -> int:
+    from .checks import CHECKS, all_check_ids
+    from .settings import DEFAULT_TOL
     parser = argparse.ArgumentParser(prog="python -m conformance")
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay one case exactly, from the line a failure printed")
     rp.add_argument("--adapter")
     rp.add_argument("--trainer-cmd")
-    rp.add_argument("--check", required=True, choices=checks.CHECK_IDS)
+    rp.add_argument("--check", required=True, metavar="ID", help="one of: " + ", ".join(all_check_ids()))
     rp.add_argument("--total-steps", type=int, required=True)
     rp.add_argument("--save-every", type=int, required=True)
     rp.add_argument("--seed", type=int, default=0)
-    rp.add_argument("--schedule")
-    rp.add_argument("--corruption")
-    rp.add_argument("--legacy")
-    rp.add_argument("--state", help="crash_states: one state label, e.g. 37 or 37t")
-    rp.add_argument("--loss-tol", type=float, default=checks.DEFAULT_TOL)
+    for option in dict.fromkeys(c.case for c in CHECKS if c.case is not None):
+        rp.add_argument(f"--{option.name}", help=option.help)
+    rp.add_argument("--loss-tol", type=float, default=DEFAULT_TOL)
     rep = sub.add_parser("report", help="render a saved report.json (exit 1 if it holds failures)")
     rep.add_argument("path", help="report.json written by --conformance-report")
     rep.add_argument("--format", choices=("markdown", "json"), default="markdown")
@@ -147,13 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--workers", default="auto", help="pytest-xdist -n value ('0' for none)")
     so.add_argument("--out", help="directory for the runs' reports")
     args = parser.parse_args(argv)
-    if args.command == "soak":
-        return _soak(args)
-    if args.command == "replay":
-        return _replay(args)
-    if args.command == "report":
-        return _report(args)
-    return 2
+    return {"soak": _soak, "replay": _replay, "report": _report}[args.command](args)
 
 
 if __name__ == "__main__":

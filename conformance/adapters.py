@@ -45,10 +45,11 @@ class TrainerAdapter:
             return bool(self.legacy_samples)
         return capability in self.capabilities
 
-    def replay_args(self) -> str:
+    def replay_args(self) -> tuple[str, ...]:
+        """Command-line arguments that name this trainer again (unquoted)."""
         if self.spec.startswith("cmd:"):
-            return f"--trainer-cmd={shlex.quote(self.spec[4:])}"
-        return f"--adapter={self.spec}"
+            return (f"--trainer-cmd={self.spec[4:]}",)
+        return (f"--adapter={self.spec}",)
 
 
 def command_adapter(cmd: str, *, capabilities: frozenset[str] | None = None) -> TrainerAdapter:

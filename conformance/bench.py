@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .readme import replace_section
+
 TARGETS = {"trial_vs_import": ("<=", 0.1), "integrity_states_per_min": (">=", 1000.0),
            "ci_profile_seconds": ("<=", 90.0)}
 _MARKER = "<!-- conformance-bench -->"
@@ -42,39 +44,41 @@ def bare_import_seconds(repeats: int) -> tuple[float, list[float]]:
 
 
 def trial_seconds(runner_kind: str, repeats: int, workdir: Path) -> tuple[float, list[float], str]:
-    from . import checks
     from .adapters import resolve
+    from .checks import Session
+    from .checks.schedules import run_trial
     from .crash import CrashPoint
+    from .process import RunSpec
+    from .runners import SubprocessRunner, WarmRunner
+    from .settings import SEED, TOTAL_STEPS
     from .strategies import _ordered_fs
-    from .suite import SEED, TOTAL_STEPS
-    from .trials import RunSpec, SubprocessRunner, WarmRunner
 
     runner = WarmRunner() if runner_kind == "warm" else SubprocessRunner()
-    session = checks.Session(resolve(None, None), workdir / runner_kind, runner=runner)
+    session = Session(resolve(None, None), workdir / runner_kind, runner=runner)
     try:
         spec = RunSpec(TOTAL_STEPS, 3, SEED)
         baseline = session.baseline(spec)
         point = CrashPoint("fs", _ordered_fs(baseline, True)[0])
-        checks.run_trial(session, spec, (point,))  # warm-up: the fork server's imports are paid once
-        median, times = _median_time(lambda: checks.run_trial(session, spec, (point,)), repeats)
+        run_trial(session, spec, (point,))  # warm-up: the fork server's imports are paid once
+        median, times = _median_time(lambda: run_trial(session, spec, (point,)), repeats)
         return median, times, str(point)
     finally:
         session.close()
 
 
 def states_per_minute(workdir: Path) -> tuple[float, int, float]:
-    from . import checks
     from .adapters import resolve
-    from .suite import SEED, TOTAL_STEPS
-    from .trials import RunSpec
+    from .checks import Session
+    from .checks.states import crash_states_check
+    from .process import RunSpec
+    from .settings import SEED, TOTAL_STEPS
 
-    session = checks.Session(resolve(None, None), workdir / "states")
+    session = Session(resolve(None, None), workdir / "states")
     try:
         spec = RunSpec(TOTAL_STEPS, 3, SEED)
         session.baseline(spec)
-        session.recording(spec)
         start = time.perf_counter()
-        n = checks.check_crash_states(session, spec)
+        n = crash_states_check(session, "crash_states", spec)
         seconds = time.perf_counter() - start
         return n / seconds * 60, n, seconds
     finally:
@@ -82,6 +86,7 @@ def states_per_minute(workdir: Path) -> tuple[float, int, float]:
 
 
 def ci_profile(workdir: Path) -> dict[str, Any]:
+    from .evidence import CrashStates
     from .report import load_report
     rep = workdir / "ci-report"
     start = time.perf_counter()
@@ -97,13 +102,13 @@ def ci_profile(workdir: Path) -> dict[str, Any]:
         out["covers_every_fs_op_of_a_save"] = False
         out["problem"] = str(exc)
         return out
-    evidence = [e for c in report["cases"] if c["check"] == "crash_states" for e in c.get("evidence", [])]
-    states = next((e for e in evidence if e.get("kind") == "crash_states"), {})
-    out["crash_states_checked"] = states.get("states", 0)
-    out["recorded_operations"] = states.get("operations", 0)
+    states = next((e for c in report.cases if c.check == "crash_states" for e in c.evidence
+                   if isinstance(e, CrashStates)), None)
+    out["crash_states_checked"] = states.states if states else 0
+    out["recorded_operations"] = states.operations if states else 0
     # crash_states rebuilds the state before every recorded operation of the whole run (every save)
-    out["covers_every_fs_op_of_a_save"] = bool(states) and states.get("states", 0) >= states.get("operations", 1)
-    out["counts"] = report["counts"]
+    out["covers_every_fs_op_of_a_save"] = bool(states) and states.states >= states.operations
+    out["counts"] = report.counts
     return out
 
 
@@ -176,17 +181,6 @@ def format_markdown(r: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, section: str) -> None:
-    """Replace what follows the marker line, up to the next heading, with `section`."""
-    lines = readme.read_text().splitlines()
-    start = lines.index(_MARKER)
-    end = start + 1
-    while end < len(lines) and not lines[end].startswith("#"):
-        end += 1
-    lines[start + 1:end] = ["", *section.splitlines(), ""]
-    readme.write_text("\n".join(lines) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.repeats, args.fresh_repeats, not args.no_ci)
     command = "python -m conformance.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.update_readme:
-        update_readme(Path(args.update_readme), format_markdown(result, command.strip()))
+        replace_section(Path(args.update_readme), _MARKER, format_markdown(result, command.strip()))
     if args.json:
         print(json.dumps(result, indent=1))
     else:

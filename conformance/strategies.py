@@ -4,29 +4,27 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from .crash import CrashPoint, Schedule
-from .trials import Baseline
-
-CADENCES = (3, 4)   # with the bundled trainer's 5 batches per epoch, both save mid-epoch
+from .recording import RecordedRun
 
 
 # Hypothesis starts from, and shrinks towards, the first element of a sampled list. The lists
 # below are ordered so that the first examples are the most telling: a resume from a mid-run,
 # mid-epoch checkpoint with steps left to compare, rather than a kill before anything was saved.
 
-def _middle_save(baseline: Baseline) -> int:
+def _middle_save(baseline: RecordedRun) -> int:
     n, total = baseline.spec.save_every, baseline.spec.total_steps
     saves = list(range(n, total, n))
     return saves[len(saves) // 2] if saves else 0
 
 
-def step_points(baseline: Baseline) -> st.SearchStrategy[CrashPoint]:
+def step_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     last = max(1, baseline.spec.total_steps - 1)
     pivot = _middle_save(baseline) + 1
     ordered = sorted(range(1, last + 1), key=lambda k: (k < pivot, abs(k - pivot)))
     return st.sampled_from(ordered).map(lambda k: CrashPoint("step", k))
 
 
-def after_save_points(baseline: Baseline) -> st.SearchStrategy[CrashPoint]:
+def after_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     """Kills at a step boundary right after a save committed, newest save first (the one whose
     number has the most digits: `ckpt-12` against `ckpt-9`), then the other steps, latest first."""
     n, total = baseline.spec.save_every, baseline.spec.total_steps
@@ -35,29 +33,28 @@ def after_save_points(baseline: Baseline) -> st.SearchStrategy[CrashPoint]:
     return st.sampled_from(saves[::-1] + others or [1]).map(lambda k: CrashPoint("step", k))
 
 
-def _ordered_fs(baseline: Baseline, only_inside: bool) -> list[int]:
+def _ordered_fs(baseline: RecordedRun, only_inside: bool) -> list[int]:
+    """Ordinals of `fs:i` crash points (into the targetable mutations), most telling first."""
     targetable = baseline.crash_points()
-    windows = baseline.save_windows()
-    owner = {i: step for step, idxs in windows.items() for i in idxs}
+    owner = {k: baseline.ops[baseline.mutations[k]].after_step for k in targetable}
     pivot = _middle_save(baseline)
-    ordinals = [k for k, i in enumerate(targetable) if not only_inside or owner.get(i, 0)]
+    ordinals = [n for n, k in enumerate(targetable) if not only_inside or owner[k]]
     if not ordinals:
         ordinals = list(range(len(targetable)))
     # The middle save's operations first, from the middle of that save outwards (where a save is
     # most likely to be half done: old state gone or new state partial), then later saves, then
     # earlier ones.
-    in_pivot = [k for k in ordinals if owner.get(targetable[k], 0) == pivot]
+    in_pivot = [n for n in ordinals if owner[targetable[n]] == pivot]
     centre = (in_pivot[0] + in_pivot[-1]) / 2 if in_pivot else 0
-    return sorted(ordinals, key=lambda k: (owner.get(targetable[k], 0) != pivot,
-                                           owner.get(targetable[k], 0) < pivot,
-                                           abs(k - centre) if k in in_pivot else k))
+    return sorted(ordinals, key=lambda n: (owner[targetable[n]] != pivot, owner[targetable[n]] < pivot,
+                                           abs(n - centre) if n in in_pivot else n))
 
 
-def fs_points(baseline: Baseline) -> st.SearchStrategy[CrashPoint]:
+def fs_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     return st.sampled_from(_ordered_fs(baseline, False) or [0]).map(lambda i: CrashPoint("fs", i))
 
 
-def in_save_points(baseline: Baseline) -> st.SearchStrategy[CrashPoint]:
+def in_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     """fs points that fall inside a save (after some step was logged), where torn state lives."""
     return st.sampled_from(_ordered_fs(baseline, True) or [0]).map(lambda k: CrashPoint("fs", k))
 
@@ -68,7 +65,7 @@ def later_points() -> st.SearchStrategy[CrashPoint]:
                      st.integers(1, 11).map(lambda k: CrashPoint("step", k)))
 
 
-def schedules(baseline: Baseline, *, max_crashes: int = 2) -> st.SearchStrategy[Schedule]:
+def schedules(baseline: RecordedRun, *, max_crashes: int = 2) -> st.SearchStrategy[Schedule]:
     first = st.one_of(step_points(baseline), fs_points(baseline))
     rest = st.lists(later_points(), max_size=max_crashes - 1)
     return st.tuples(first, rest).map(lambda fr: (fr[0], *fr[1]))

@@ -5,131 +5,114 @@
     class TestMyTrainer(ResumeConformance):
         adapter = "mypkg.train:ADAPTER"        # or trainer_cmd = "python train.py --small"
 
-Every test's name is its check id (`test_<check id>`), so a team can select or xfail by id.
+Its test methods are made from the check registry (checks/registry.py): `test_<check id>`, with
+`[param]` for parameterised checks, so a team can select or xfail by id.
 """
 from __future__ import annotations
 
+import difflib
 from typing import ClassVar
 
 import pytest
-from hypothesis import HealthCheck, given, note, reject, seed, settings
+from hypothesis import given, note, reject, seed, settings
 from hypothesis import strategies as st
 
-from . import checks
-from .plugin import SEEDED_PROFILES
-from .scenario import CrashPointMissing
+from .checks import CHECKS, Check, Session, skip_reason
 from .crash import format_schedule
-from .strategies import CADENCES, after_save_points, fs_points, in_save_points, schedules
-from .tracing import strace_problem
-from .trials import RunSpec
+from .process import RunSpec
+from .scenario import CrashPointMissing
+from .settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK, TOTAL_STEPS
 
-# Long enough for a checkpoint at a two-digit step with steps after it (ckpt-9 vs ckpt-12).
-TOTAL_STEPS = 14
-SEED = 0
-_SLOW_OK = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                          HealthCheck.function_scoped_fixture])
+ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd")
 
 
 def _profile_seed(test):
-    """Fix the seed under the gate profile (see plugin.py): same code, same draws, same verdict."""
+    """Fix the seed under the gate profile: same code, same draws, same verdict."""
     fixed = SEEDED_PROFILES.get(settings.get_current_profile_name())
     return test if fixed is None else seed(fixed)(test)
 
 
 class ResumeConformance:
-    """Generic conformance tests; the implementation under test is a class attribute or option."""
+    """Generic conformance tests; the trainer under test is a class attribute (`adapter` or
+    `trainer_cmd`), or the suite's options when `configured_by_options` is set."""
 
     adapter: ClassVar[object | None] = None
     trainer_cmd: ClassVar[str | None] = None
+    configured_by_options: ClassVar[bool] = False
 
-    # -- plumbing ---------------------------------------------------------------------------
     @pytest.fixture
-    def session(self, request, conformance_session_for) -> checks.Session:
+    def session(self, conformance_session_for) -> Session:
+        if self.configured_by_options and self.adapter is None and self.trainer_cmd is None:
+            return conformance_session_for(None, None)
         return conformance_session_for(self.adapter, self.trainer_cmd)
 
-    @staticmethod
-    def spec(save_every: int = CADENCES[0]) -> RunSpec:
-        return RunSpec(TOTAL_STEPS, save_every, SEED)
+    @classmethod
+    def conformance_problem(cls) -> str | None:
+        """What is wrong with how this subclass names its trainer (a usage error), or None."""
+        if cls.__name__ == "ResumeConformance" and cls.__module__ == __name__:
+            return None
+        own = {k for c in cls.__mro__ if c is not ResumeConformance and c is not object for k in vars(c)}
+        for name in sorted(own):
+            if name in ACCEPTED_ATTRIBUTES or name.startswith("_") or name.startswith("test"):
+                continue
+            close = difflib.get_close_matches(name, ACCEPTED_ATTRIBUTES, n=1, cutoff=0.7)
+            if close:
+                return (f"{cls.__module__}.{cls.__qualname__} sets {name!r}, which the suite does not read: "
+                        f"did you mean {close[0]!r}?\n  fix: rename the class attribute {name!r} to {close[0]!r}")
+        if cls.adapter is None and cls.trainer_cmd is None and not cls.configured_by_options:
+            return (f"{cls.__module__}.{cls.__qualname__} names no trainer\n  fix: set the class attribute "
+                    "'adapter' (\"package.module:attribute\") or 'trainer_cmd' (\"python train.py ...\")")
+        if cls.adapter is not None and cls.trainer_cmd is not None:
+            return (f"{cls.__module__}.{cls.__qualname__} sets both 'adapter' and 'trainer_cmd'\n"
+                    "  fix: keep one of the two class attributes")
+        return None
 
-    @staticmethod
-    def require_syscall_crash(session: checks.Session) -> None:
-        if not session.adapter.has("syscall_crash"):
-            pytest.skip("adapter lacks capability 'syscall_crash'")
-        problem = strace_problem()
-        if problem:
-            pytest.skip(f"syscall-level crash injection unavailable: {problem}")
 
-    @staticmethod
-    def require_deterministic(session: checks.Session, spec: RunSpec) -> None:
-        problem = session.determinism_problem(spec)
-        if problem:
-            pytest.skip("not deterministic without interruption (see determinism_precondition)")
+def _spec(save_every: int = CADENCES[0]) -> RunSpec:
+    return RunSpec(TOTAL_STEPS, save_every, SEED)
 
-    def _schedule_check(self, session, data, check: str, points) -> None:
-        self.require_syscall_crash(session)
-        spec = self.spec(data.draw(st.sampled_from(CADENCES), label="save_every"))
-        self.require_deterministic(session, spec)
-        baseline = session.baseline(spec)
-        schedule = data.draw(points(baseline), label="schedule")
-        note(f"schedule {format_schedule(schedule)}")
+
+def _make_test(check: Check):
+    def run(session: Session, param: str | None, data=None) -> None:
+        spec = _spec(data.draw(st.sampled_from(CADENCES), label="save_every") if check.draw else CADENCES[0])
+        reason = skip_reason(check, session, spec)
+        if reason:
+            pytest.skip(reason)
+        case = None
+        if check.draw is not None:
+            case = data.draw(check.draw(session.baseline(spec), param), label="schedule")
+            note(f"schedule {format_schedule(case)}")
         try:
-            checks.check_schedule(session, check, spec, schedule)
+            check.decide(session, spec, param, case)
         except CrashPointMissing as exc:
             note(str(exc))
             reject()   # a later point that its process never reaches: draw another schedule
 
-    # -- the checks ---------------------------------------------------------------------------
-    def test_determinism_precondition(self, session):
-        """Two uninterrupted runs agree; without this nothing else can be judged."""
-        checks.check_determinism(session, self.spec())
+    if check.draw is None and check.params:
+        def test(self, session, param):
+            run(session, param)
+    elif check.draw is None:
+        def test(self, session):
+            run(session, None)
+    elif check.params:
+        @_profile_seed
+        @settings(**SLOW_OK)
+        @given(data=st.data())
+        def test(self, session, param, data):
+            run(session, param, data)
+    else:
+        @_profile_seed
+        @settings(**SLOW_OK)
+        @given(data=st.data())
+        def test(self, session, data):
+            run(session, None, data)
+    test.__name__ = f"test_{check.id}"
+    test.__qualname__ = f"ResumeConformance.test_{check.id}"
+    test.__doc__ = check.summary
+    if check.params:
+        test = pytest.mark.parametrize("param", check.params)(test)
+    return test
 
-    @_profile_seed
-    @_SLOW_OK
-    @given(data=st.data())
-    def test_resume_matches_baseline(self, session, data):
-        """After any crash schedule the run finishes (exit 0) on the uninterrupted loss curve."""
-        self._schedule_check(session, data, "resume_matches_baseline", lambda b: schedules(b, max_crashes=2))
 
-    @pytest.mark.parametrize("where", checks.CHECK_PARAMS["no_lost_work"])
-    @_profile_seed
-    @_SLOW_OK
-    @given(data=st.data())
-    def test_no_lost_work(self, session, data, where):
-        """The trainer resumes from the newest checkpoint committed before the crash: killed
-        between saves (is the newest one found?) or inside a save (is the previous one kept?)."""
-        points = after_save_points if where == "between_saves" else \
-            (lambda b: st.one_of(in_save_points(b), fs_points(b)))
-        self._schedule_check(session, data, "no_lost_work", lambda b: points(b).map(lambda p: (p,)))
-
-    @_profile_seed
-    @_SLOW_OK
-    @given(data=st.data())
-    def test_no_torn_state(self, session, data):
-        """After a kill inside a save, the checkpoint it resumes from is complete."""
-        self._schedule_check(session, data, "no_torn_state", lambda b: in_save_points(b).map(lambda p: (p,)))
-
-    def test_crash_states(self, session):
-        """Every state a kill can leave during a run, rebuilt offline from one recording: the
-        trainer resumes from the newest committed checkpoint and matches the baseline."""
-        self.require_syscall_crash(session)
-        spec = self.spec()
-        self.require_deterministic(session, spec)
-        checks.check_crash_states(session, spec)
-
-    @pytest.mark.parametrize("kind", checks.CHECK_PARAMS["corruption_detected"])
-    def test_corruption_detected(self, session, kind):
-        """A truncated, bit-flipped or deleted file of the newest checkpoint is never loaded silently."""
-        spec = self.spec()
-        self.require_deterministic(session, spec)
-        checks.check_corruption(session, spec, kind)
-
-    def test_untrusted_checkpoint(self, session):
-        """A checkpoint replaced by a code-running pickle must not run that code."""
-        checks.check_untrusted(session, self.spec())
-
-    def test_schema_migration(self, session):
-        """Legacy-schema samples load, and the run resumes from them on the baseline curve."""
-        if not session.adapter.has("legacy_samples"):
-            pytest.skip("adapter lacks capability 'legacy_samples'")
-        for sample in session.adapter.legacy_samples:
-            checks.check_legacy_sample(session, self.spec(), sample)
+for _check in CHECKS:
+    setattr(ResumeConformance, f"test_{_check.id}", _make_test(_check))

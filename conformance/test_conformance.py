@@ -4,4 +4,4 @@ from conformance.suite import ResumeConformance
 
 
 class TestConformance(ResumeConformance):
-    pass
+    configured_by_options = True

@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conformance import bench
+from conformance.readme import MarkerMissing, replace_section
 
 
 def _result(trial=0.08, states=1200.0, ci=60.0):
@@ -32,11 +35,18 @@ def test_targets_and_markdown_table():
     assert "every fs op of a save covered: yes (121 states / 105 recorded ops)" in md
 
 
-def test_update_readme_replaces_only_its_section(tmp_path):
+def test_replace_section_replaces_only_its_section(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{bench._MARKER}\n\nold table\n\n## next\nkept\n")
-    bench.update_readme(readme, "new table")
+    replace_section(readme, bench._MARKER, "new table")
     assert readme.read_text() == f"# x\n\n{bench._MARKER}\n\nnew table\n\n## next\nkept\n"
+    with pytest.raises(MarkerMissing, match="no line '<!-- other -->'"):
+        replace_section(readme, "<!-- other -->", "x")
+
+
+def test_the_readme_updater_imports_no_torch():
+    code = "import sys, conformance.readme; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
 def test_bench_help_names_the_json_keys():

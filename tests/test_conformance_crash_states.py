@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance.crash_states import (Op, Replayer, UnreplayableTrace, build_state, crash_states,
-                                      judge_state, parse_recording, probe_specs, record_prefix, resumed_past)
-from conformance.tracing import strace_problem
-from conformance.trials import ProcessResult, RunSpec
+from conformance import recording, strace
+from conformance.checks.states import judge_state, resumed_past
+from conformance.crash_states import CrashState, Replayer, build_state, crash_states, probe_specs
+from conformance.process import ProcessResult, RunSpec
+from conformance.recording import UnreplayableTrace
 
 ROOT = Path("/run/ck")
 LOG = Path("/run/loss.jsonl")
@@ -40,8 +41,12 @@ RECORDING = "\n".join([
 ])
 
 
+def parse_recording(text: str, root: Path = ROOT, log: Path = LOG) -> recording.RecordedRun:
+    return recording.build(strace.parse(text), RunSpec(3, 1, 0), ProcessResult(0, {}, ""), root, log)
+
+
 def test_parse_recording_keeps_mutations_with_their_data_and_step():
-    ops = parse_recording(RECORDING, ROOT, LOG)
+    ops = parse_recording(RECORDING).ops
     assert [(o.kind, o.path) for o in ops] == [
         ("mkdir", "step-3"), ("create", "step-3/.a.tmp"), ("write", "step-3/.a.tmp"), ("seek", "step-3/.a.tmp"),
         ("write", "step-3/.a.tmp"), ("write", "step-3/.a.tmp"), ("write", "step-3/.a.tmp"), ("fsync", "step-3/.a.tmp"),
@@ -54,23 +59,23 @@ def test_parse_recording_keeps_mutations_with_their_data_and_step():
 
 
 def test_replayer_applies_prefixes_exactly(tmp_path):
-    ops = parse_recording(RECORDING, ROOT, LOG)
+    run = parse_recording(RECORDING)
     r = Replayer()
-    for op in ops:
+    for op in run.ops:
         r.apply(op)
     assert dict(r.files) == {"step-03/a": bytearray(b"PZabcYY")}   # writev continues at the seek position
     assert r.dirs == {".", "step-03"}
     r.materialize(tmp_path / "out")
     assert (tmp_path / "out/step-03/a").read_bytes() == b"PZabcYY"
-    state = crash_states(ops)[3]   # before the lseek: the first write done, torn variant of it before
+    state = crash_states(run)[3]   # before the first write: the second state of op 2 is its torn variant
     assert (state.before, state.torn) == (2, True)
-    build_state(ops, state, tmp_path / "torn")
+    build_state(run, state, tmp_path / "torn")
     assert (tmp_path / "torn/step-3/.a.tmp").read_bytes() == b"PK\x03"
 
 
 def test_crash_states_know_what_was_committed():
-    ops = parse_recording(RECORDING + "\n" + LOG_WRITE.replace("1}", "2}"), ROOT, LOG)
-    states = crash_states(ops)
+    run = parse_recording(RECORDING + "\n" + LOG_WRITE.replace("1}", "2}"))
+    states = crash_states(run)
     first = states[0]
     assert (first.newest_committed, first.in_progress) == (0, None)
     inside = [s for s in states if s.in_progress == 1]
@@ -82,9 +87,11 @@ def test_crash_states_know_what_was_committed():
     ('1 write(4</run/ck/a>, "abc"..., 9) = 9', "larger than"),
     ('1 renameat(5<socket:[7]>, "a", AT_FDCWD</run>, "/run/ck/b") = 0', "not a regular file"),
 ])
-def test_unreplayable_recordings_say_why(line, problem):
+def test_unreplayable_recordings_say_why(tmp_path, line, problem):
+    run = parse_recording(line)
     with pytest.raises(UnreplayableTrace, match=problem):
-        parse_recording(line, ROOT, LOG)
+        for state in crash_states(run):
+            build_state(run, state, tmp_path / "s")
 
 
 def _result(rc: int, losses: dict[int, float]) -> ProcessResult:
@@ -92,10 +99,11 @@ def _result(rc: int, losses: dict[int, float]) -> ProcessResult:
 
 
 def test_probes_and_judgement():
-    from conformance.crash_states import CrashState
     spec = RunSpec(14, 3, 0)
     state = CrashState(10, False, "kill before op #10", newest_committed=3, in_progress=6)
     assert [p.total_steps for p in probe_specs(spec, state)] == [4, 7]
+    complete = CrashState(10, False, "kill before op #10", newest_committed=3, in_progress=6, save_complete=True)
+    assert [p.total_steps for p in probe_specs(spec, complete)] == [7]
     base = {4: 1.0, 7: 2.0}
     assert judge_state(state, _result(0, {4: 1.0}), base, RunSpec(4, 3, 0), 1e-4) is None
     assert judge_state(state, _result(0, {7: 2.0}), base, RunSpec(7, 3, 0), 1e-4) is None
@@ -106,7 +114,7 @@ def test_probes_and_judgement():
     assert "without training" in judge_state(state, _result(0, {}), base, RunSpec(7, 3, 0), 1e-4)
 
 
-@pytest.mark.skipif(strace_problem() is not None, reason=f"strace unusable: {strace_problem()}")
+@pytest.mark.needs_strace
 def test_recording_a_real_program_replays_to_its_final_state(tmp_path):
     """Record a program that writes, renames and deletes under a directory; the replayed end state
     equals what it left on disk, byte for byte."""
@@ -123,9 +131,9 @@ def test_recording_a_real_program_replays_to_its_final_state(tmp_path):
         "os.unlink(os.path.join(root, 'g'))\n"
         "os.rename(os.path.join(root, 'd'), os.path.join(root, 'e'))\n")
     trace = tmp_path / "t.strace"
-    subprocess.run(record_prefix(trace) + [sys.executable, "-c", program, str(root)], check=True,
+    subprocess.run(strace.record_argv(trace, data=True) + [sys.executable, "-c", program, str(root)], check=True,
                    env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
-    ops = parse_recording(trace.read_text(), root, log)
+    ops = parse_recording(trace.read_text(), root, log).ops
     assert {o.kind for o in ops} >= {"mkdir", "create", "write", "fsync", "rename", "unlink"}
     final = Replayer()
     for op in ops:
@@ -146,11 +154,11 @@ def test_a_file_written_elsewhere_and_renamed_in_keeps_its_bytes(tmp_path):
         '1 rename("/tmp/tmpab12_xyz", "/run/ck/last.ckpt") = 0',
         '1 rename("/run/ck/old.ckpt", "/tmp/trash") = 0',
     ])
-    ops = parse_recording(text, ROOT, LOG)
-    assert [(o.kind, o.inside) for o in ops] == [("create", False), ("write", False), ("rename", True),
-                                                  ("rename", True)]
-    states = crash_states(ops)
+    run = parse_recording(text)
+    assert [(o.kind, o.inside) for o in run.ops] == [("create", False), ("write", False), ("rename", True),
+                                                      ("rename", True)]
+    states = crash_states(run)
     assert [s.before for s in states] == [2, 3]          # crash points only under the checkpoint dir
-    build_state(ops, states[1], tmp_path / "s")
+    build_state(run, states[1], tmp_path / "s")
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["last.ckpt"]
     assert (tmp_path / "s/last.ckpt").read_bytes() == b"ckpt-bytes"

@@ -2,60 +2,85 @@
 capability skips, and the warm runner giving the same results as a fresh interpreter."""
 from __future__ import annotations
 
-import os
-import subprocess
+import re
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from conformance.adapters import resolve
 from conformance.crash import parse_schedule
+from conformance.process import RunSpec
+from conformance.runners import SubprocessRunner, WarmRunner, traced_run
 from conformance.scenario import run_schedule
-from conformance.tracing import strace_problem
-from conformance.trials import RunSpec, SubprocessRunner, WarmRunner, traced_run
 
 pytestmark = pytest.mark.slow
 
 
-def pytest_in(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("PYTEST_XDIST_WORKER", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
-                           "-W", "ignore::DeprecationWarning", f"--basetemp={tmp_path / 'bt'}", *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-
-
-def test_subclass_with_python_adapter_and_capability_skip(tmp_path):
+def test_subclass_with_python_adapter_and_capability_skip(tmp_path, run_pytest):
     (tmp_path / "test_team.py").write_text(textwrap.dedent('''
         from conformance import ResumeConformance
 
         class TestTeamTrainer(ResumeConformance):
             adapter = "fixtures.python_adapter:ADAPTER"
     '''))
-    proc = pytest_in(tmp_path, "test_team.py", "-k", "determinism or schema_migration")
+    proc = run_pytest("test_team.py", "-k", "determinism or schema_migration")
     assert "1 passed, 1 skipped" in proc.stdout, proc.stdout[-3000:]
     assert "adapter lacks capability 'legacy_samples'" in proc.stdout
 
 
-def test_trainer_cmd_from_ini_makes_a_bare_pytest_the_gate(tmp_path):
+def test_trainer_cmd_from_ini_makes_a_bare_pytest_the_gate(tmp_path, run_pytest):
     (tmp_path / "pytest.ini").write_text(textwrap.dedent(f'''
         [pytest]
         conformance_trainer_cmd = {sys.executable} -m fixtures.reference_trainer
     '''))
     (tmp_path / "test_gate.py").write_text("from conformance.test_conformance import TestConformance\n")
-    proc = pytest_in(tmp_path, "test_gate.py", "-k", "determinism")
+    proc = run_pytest("test_gate.py", "-k", "determinism")
     assert "1 passed" in proc.stdout, proc.stdout[-3000:]
 
 
-def test_bad_adapter_is_a_usage_error(tmp_path):
-    proc = pytest_in(tmp_path, "--pyargs", "conformance", "--adapter=no.such.module:X", "-k", "determinism")
+def test_bad_adapter_is_a_usage_error(run_pytest):
+    proc = run_pytest("--pyargs", "conformance", "--adapter=no.such.module:X", "-k", "determinism")
     assert proc.returncode != 0
     assert "cannot load the trainer adapter" in proc.stdout + proc.stderr
 
 
-@pytest.mark.skipif(strace_problem() is not None, reason=f"strace unusable: {strace_problem()}")
+@pytest.mark.parametrize("body, message", [
+    ('adaptor = "fixtures.python_adapter:ADAPTER"', "sets 'adaptor', which the suite does not read: did you mean 'adapter'?"),
+    ('trainer_command = "python train.py"', "sets 'trainer_command', which the suite does not read: did you mean 'trainer_cmd'?"),
+    ("pass", "names no trainer\n  fix: set the class attribute 'adapter'"),
+])
+def test_a_subclass_that_names_its_trainer_wrongly_is_one_usage_error(tmp_path, run_pytest, body, message):
+    (tmp_path / "test_team.py").write_text(textwrap.dedent(f'''
+        from conformance import ResumeConformance
+
+        class TestTeamTrainer(ResumeConformance):
+            {body}
+    '''))
+    for extra in ((), ("-n", "2")):
+        proc = run_pytest("test_team.py", *extra)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and "passed" not in out, out[-2000:]
+        assert message in out, out[-2000:]
+
+
+def test_conftest_defines_nothing_the_installed_plugin_needs(tmp_path, run_pytest, repo_root):
+    """`pytest --pyargs conformance` collects the same checks, with the same options, from this
+    checkout (whose conftest.py is loaded) as from anywhere else."""
+    import conftest
+    assert not hasattr(conftest, "pytest_addoption")
+    from_checkout = run_pytest("--pyargs", "conformance", "--collect-only", cwd=repo_root)
+    elsewhere = run_pytest("--pyargs", "conformance", "--collect-only", cwd=tmp_path)
+    ids = [sorted(line.split("::", 1)[1] for line in p.stdout.splitlines() if "::" in line)
+           for p in (from_checkout, elsewhere)]
+    assert ids[0] and ids[0] == ids[1]
+    helps = [run_pytest("--pyargs", "conformance", "--help", cwd=d).stdout for d in (repo_root, tmp_path)]
+    assert "--expected-failures-lenient" in helps[1]
+    options = [set(re.findall(r"^\s+(--[a-z][\w-]*)", h, re.MULTILINE)) for h in helps]
+    assert options[0] == options[1]
+
+
+@pytest.mark.needs_strace
 @pytest.mark.parametrize("schedule", ["fs:5", "step:4,fs:12"])
 def test_warm_runner_matches_a_fresh_interpreter(tmp_path, schedule):
     adapter, spec = resolve(None, None), RunSpec(12, 3, 0)
@@ -68,9 +93,9 @@ def test_warm_runner_matches_a_fresh_interpreter(tmp_path, schedule):
             getattr(runner, "close", lambda: None)()
         # The per-thread counts (`nth`) differ between runners (imports are already done in a
         # forked child); what the trainer does to the checkpoint directory must not.
-        events = [(e.syscall, e.describe(base.ckpt_dir).split(".tmp-")[0]) for e in base.events]
-        outcomes[name] = (base.losses, events, [c.planned_text.split(".tmp-")[0] for c in outcome.crashed],
-                          outcome.resume_points, outcome.final.losses, outcome.final.returncode)
+        events = [(base.ops[i].syscall, base.role(i)) for i in base.mutations]
+        outcomes[name] = (base.losses, events, [c.kill.text.split(":")[0] for c in outcome.crashed],
+                          [c.resumed_from for c in outcome.crashed], outcome.final.losses, outcome.final.returncode)
     assert outcomes["warm"] == outcomes["fresh"]
 
 

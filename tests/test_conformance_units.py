@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from conformance.adapters import command_adapter, python_adapter, resolve
 from conformance.corrupt import bitflip, delete, plant_malicious_pickle, truncate
 from conformance.crash import CrashPoint, format_schedule, parse_schedule
-from conformance.judge import fail, loss_mismatches, replay_command
-from conformance.trials import RunSpec, read_losses
+from conformance.failures import fail, loss_mismatches, replay_command
+from conformance.process import RunSpec, read_losses
 
 points = st.builds(CrashPoint, st.sampled_from(["step", "fs"]), st.integers(0, 10_000))
 
@@ -43,19 +43,19 @@ def test_read_losses_ignores_a_torn_last_line(tmp_path):
 
 def test_failure_message_has_check_schedule_and_replay_line():
     adapter = resolve(None, None)
-    exc = fail("no_lost_work", adapter, RunSpec(12, 3, 0), "resumed from scratch",
-               schedule=(CrashPoint("fs", 7),), details="  detail line")
+    exc = fail("no_lost_work[inside_save]", adapter, RunSpec(12, 3, 0), "resumed from scratch",
+               schedule="fs:7", details="  detail line", case={"schedule": "fs:7"})
     text = str(exc)
-    assert text.startswith("[no_lost_work] resumed from scratch")
+    assert text.startswith("[no_lost_work[inside_save]] resumed from scratch")
     assert "schedule: fs:7" in text and "detail line" in text
     assert ("replay:   python -m conformance replay --adapter=fixtures.reference_trainer:ADAPTER "
-            "--check=no_lost_work --total-steps=12 --save-every=3 --seed=0 --schedule=fs:7") in text
+            "'--check=no_lost_work[inside_save]' --total-steps=12 --save-every=3 --seed=0 --schedule=fs:7") in text
 
 
 def test_replay_command_quotes_trainer_commands():
     adapter = command_adapter("python train.py --small")
-    cmd = replay_command(adapter, "no_torn_state", RunSpec(12, 3, 0), (CrashPoint("step", 2),))
-    assert "--trainer-cmd='python train.py --small'" in cmd
+    cmd = replay_command(adapter, "no_torn_state", RunSpec(12, 3, 0), {"schedule": "step:2"})
+    assert "'--trainer-cmd=python train.py --small'" in cmd and "--schedule=step:2" in cmd
 
 
 def test_python_adapter_must_have_run(tmp_path, monkeypatch):

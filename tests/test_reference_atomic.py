@@ -90,7 +90,7 @@ def test_saves_and_the_manager_clean_stale_temps(tmp_path, dead_pid):
     (run / f".step-00000001.pt.tmp-{dead_pid}-{token}").write_bytes(b"x")
     manager = reference.CheckpointManager(run, layout="sharded")
     assert os.listdir(run) == []
-    from strategies import trainer_payload
+    from tests.strategies import trainer_payload
     ckpt = run / "step-00000002"
     ckpt.mkdir()
     (ckpt / f".meta.pt.tmp-{dead_pid}-{token}").write_bytes(b"x")

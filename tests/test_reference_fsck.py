@@ -10,7 +10,7 @@ import pytest
 
 import reference
 from reference.__main__ import main as cli_main
-from strategies import flip_bit, trainer_payload
+from tests.strategies import flip_bit, trainer_payload
 
 ROOT = Path(__file__).resolve().parent.parent
 

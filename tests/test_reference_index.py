@@ -16,7 +16,7 @@ import pytest
 
 import reference
 from reference.index import CHECKSUM_KEY, encode_index
-from strategies import trainer_payload
+from tests.strategies import trainer_payload
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 import reference
 import reference.manager as manager_module
-from strategies import flip_bit, trainer_payload
+from tests.strategies import flip_bit, trainer_payload
 
 
 @functools.lru_cache(maxsize=None)

@@ -106,7 +106,7 @@ def _draws_after(state):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_train_state_restore_with_cuda_states_is_strict_by_default(tmp_path):
-    from strategies import trainer_objects
+    from tests.strategies import trainer_objects
     model, optimizer, scheduler = trainer_objects()
     payload = reference.capture(model, optimizer, scheduler, global_step=1)
     payload["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8)]

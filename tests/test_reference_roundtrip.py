@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import reference
 from reference.index import CHECKSUM_KEY, index_checksum
 from reference.integrity import tree_digest
-from strategies import assert_same, payloads, trainer_payload
+from tests.strategies import assert_same, payloads, trainer_payload
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

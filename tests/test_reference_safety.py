@@ -17,7 +17,7 @@ import reference
 from reference.atomic import atomic_write
 from reference.index import encode_index
 from reference.single_file import _write_with_checksum
-from strategies import trainer_payload
+from tests.strategies import trainer_payload
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 

@@ -13,7 +13,7 @@ import reference
 from reference.atomic import atomic_write
 from reference.index import encode_index
 from reference.single_file import _write_with_checksum
-from strategies import assert_same, trainer_objects, trainer_payload
+from tests.strategies import assert_same, trainer_objects, trainer_payload
 
 LEGACY = Path(__file__).resolve().parent.parent / "fixtures" / "legacy"
 V1_FILE = LEGACY / "v1-file" / "step-00000007.pt"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import reference
-from strategies import trainer_objects
+from tests.strategies import trainer_objects
 
 
 def _train(model, optimizer, scheduler, sampler, x, y, steps: int) -> list[float]:

@@ -1,12 +1,11 @@
-"""Verdicts and the failure messages users read: check id, schedule, first differing steps, and a
-command line that replays exactly this case."""
+"""The failure messages users read: the check id, what happened, the first differing steps, and
+one command line that replays exactly this case."""
 from __future__ import annotations
 
 import shlex
 
 from .adapters import TrainerAdapter
-from .crash import Schedule, format_schedule
-from .trials import RunSpec
+from .process import RunSpec
 
 
 class ConformanceFailure(AssertionError):
@@ -28,6 +27,11 @@ def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: 
     return bad
 
 
+def max_abs_diff(baseline: dict[int, float], resumed: dict[int, float]) -> float | None:
+    diffs = [abs(resumed[s] - baseline[s]) for s in resumed if s in baseline]
+    return max(diffs) if diffs else None
+
+
 def format_mismatches(rows, limit: int = 5) -> str:
     lines = ["    step   baseline          resumed           |diff|"]
     for step, base, got, diff in rows[:limit]:
@@ -38,28 +42,24 @@ def format_mismatches(rows, limit: int = 5) -> str:
     return "\n".join(lines)
 
 
-def replay_command(adapter: TrainerAdapter, check: str, spec: RunSpec, schedule: Schedule | None = None,
-                   extra: str = "") -> str:
-    parts = ["python", "-m", "conformance", "replay", adapter.replay_args(), f"--check={check}",
+def replay_command(adapter: TrainerAdapter, check: str, spec: RunSpec, case: dict[str, str] | None = None) -> str:
+    """`python -m conformance replay ...` for one case; `case` holds the check's own options."""
+    parts = ["python", "-m", "conformance", "replay", *adapter.replay_args(), f"--check={check}",
              f"--total-steps={spec.total_steps}", f"--save-every={spec.save_every}", f"--seed={spec.seed}"]
-    if schedule is not None:
-        parts.append(f"--schedule={format_schedule(schedule)}")
-    if extra:
-        parts.append(extra)
-    return " ".join(p if p.startswith("--") and "=" in p and " " not in p.split("=", 1)[1]
-                    else (p if p.startswith("--") else shlex.quote(p)) for p in parts)
+    parts += [f"--{k.replace('_', '-')}={v}" for k, v in (case or {}).items()]
+    return " ".join(shlex.quote(p) for p in parts)
 
 
-def fail(check: str, adapter: TrainerAdapter, spec: RunSpec, problem: str, *, schedule: Schedule | None = None,
-         details: str = "", extra: str = "") -> ConformanceFailure:
+def fail(check: str, adapter: TrainerAdapter, spec: RunSpec, problem: str, *, details: str = "",
+         case: dict[str, str] | None = None, schedule: str | None = None) -> ConformanceFailure:
     lines = [f"[{check}] {problem}",
              f"  trainer:  {adapter.name}",
-             f"  run:      total_steps={spec.total_steps} save_every={spec.save_every} seed={spec.seed}"]
+             f"  run:      {spec.describe()}"]
     if schedule is not None:
-        lines.append(f"  schedule: {format_schedule(schedule)}")
+        lines.append(f"  schedule: {schedule}")
     if details:
         lines.append(details.rstrip())
-    lines.append(f"  replay:   {replay_command(adapter, check, spec, schedule, extra)}")
+    lines.append(f"  replay:   {replay_command(adapter, check, spec, case)}")
     return ConformanceFailure("\n".join(lines))
 
 

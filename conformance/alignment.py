@@ -1,0 +1,105 @@
+"""What varies between two runs of the same trainer: learned by aligning their operations, never
+guessed from name patterns.
+
+Two runs of a deterministic trainer make the same filesystem operations in the same order; only
+some names may differ (`mkstemp`, `uuid4`, pid or clock based temp names, `mkdtemp` staging
+directories). `align` walks both sequences of mutations in lockstep and keeps a one-to-one map
+between the paths of the two runs. A path component that differs is a run-random name if it was
+not in the directory before the run and maps consistently from then on; anything else (another
+syscall, another save, a known name turning into a different one, one run ending early) is where
+the runs diverge, and is reported in both runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .recording import Op, RecordedRun
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRandomName:
+    """A name that differs between runs, known by the operation that first used it."""
+
+    role: str          # e.g. "create #1 of the save of step 3"
+    first: str         # the path in the first run
+    second: str        # the path in the second run
+
+    def describe(self) -> str:
+        return f"{self.first} / {self.second} ({self.role})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """The first operation at which two runs differ."""
+
+    position: int      # index into both runs' mutation sequences
+    first: str         # that operation in the first run (its role and what it did)
+    second: str
+
+    def describe(self, first_name: str = "run 1", second_name: str = "run 2") -> str:
+        return (f"operation #{self.position} differs: {first_name}: {self.first}; "
+                f"{second_name}: {self.second}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Alignment:
+    names: tuple[RunRandomName, ...]
+    divergence: Divergence | None
+    compared: int      # mutations compared
+
+
+def _describe(run: RecordedRun, op: Op | None) -> str:
+    if op is None:
+        return "nothing (the run had no more operations)"
+    return f"{run.role(op.index)}: {op.describe()}"
+
+
+class _PathMap:
+    """A one-to-one map between the paths of two runs, grown one component at a time."""
+
+    def __init__(self, preexisting: frozenset[str]):
+        self.forward: dict[str, str] = {}
+        self.backward: dict[str, str] = {}
+        self.preexisting = preexisting
+        self.new: list[tuple[str, str]] = []
+
+    def match(self, a: str, b: str) -> bool:
+        ca, cb = a.split("/"), b.split("/")
+        if len(ca) != len(cb):
+            return False
+        for i, (x, y) in enumerate(zip(ca, cb)):
+            pa, pb = "/".join(ca[:i + 1]), "/".join(cb[:i + 1])
+            known = self.forward.get(pa)
+            if known is not None:
+                if known != pb:
+                    return False
+                continue
+            if pb in self.backward or (x != y and pa in self.preexisting):
+                return False
+            self.forward[pa], self.backward[pb] = pb, pa
+            if x != y:
+                self.new.append((pa, pb))
+        return True
+
+
+def align(first: RecordedRun, second: RecordedRun, *, upto: int | None = None) -> Alignment:
+    """Align the mutations of two runs that started from the same directory (the first `upto`
+    of the second run's, if given: a killed run is compared up to its kill)."""
+    ma, mb = first.mutations, second.mutations
+    if upto is not None:
+        mb = mb[:upto]
+        ma = ma[:upto]
+    paths = _PathMap(first.preexisting)
+    names: list[RunRandomName] = []
+    for k in range(max(len(ma), len(mb))):
+        oa = first.ops[ma[k]] if k < len(ma) else None
+        ob = second.ops[mb[k]] if k < len(mb) else None
+        same = (oa is not None and ob is not None and oa.kind == ob.kind and oa.syscall == ob.syscall
+                and oa.after_step == ob.after_step and paths.match(oa.path, ob.path)
+                and paths.match(oa.target, ob.target))
+        if not same:
+            return Alignment(tuple(names), Divergence(k, _describe(first, oa), _describe(second, ob)), k)
+        for pa, pb in paths.new:
+            names.append(RunRandomName(first.role(oa.index), pa, pb))
+        paths.new.clear()
+    return Alignment(tuple(names), None, max(len(ma), len(mb)))

@@ -1,0 +1,157 @@
+"""The one list of checks: each id, its parameters, what it needs, the function that decides it,
+how `replay` reruns it, and a one-line description.
+
+suite.py builds its test methods from this table, `python -m conformance replay` its options,
+the expected-failures file is validated against it, reports and the README's checks table are
+rendered from it, and the broken-fixture catalogue is checked against it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from hypothesis import strategies as st
+
+from .. import strategies
+from ..corrupt import KINDS
+from ..crash import Schedule, format_schedule, parse_schedule
+from ..process import RunSpec
+from . import damage, determinism, legacy, schedules, states, untrusted
+from .session import Session
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseOption:
+    """The command-line option `replay` takes for one case of a check (and how to read it)."""
+
+    name: str
+    help: str
+    parse: Callable[[str], object] = str
+    required: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    id: str
+    summary: str
+    decided_in: str                    # the module that decides it
+    run: Callable                      # run(session, check_id, spec, param, case)
+    params: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()        # "trace", or adapter capabilities such as "legacy_samples"
+    precondition: str = "losses"       # "none", "losses", or "operations" (losses and filesystem ops)
+    draw: Callable[[object, str | None], st.SearchStrategy] | None = None   # Hypothesis-drawn cases
+    case: CaseOption | None = None
+
+    def ids(self) -> list[str]:
+        return [f"{self.id}[{p}]" for p in self.params] or [self.id]
+
+    def decide(self, session: Session, spec: RunSpec, param: str | None = None, case: object = None) -> object:
+        """Run the check once; raises ConformanceFailure with the report if it fails."""
+        return self.run(session, f"{self.id}[{param}]" if param else self.id, spec, param, case)
+
+
+_SCHEDULE = CaseOption("schedule", "crash schedule, e.g. fs:9,step:4", parse_schedule, required=True)
+
+
+def _no_lost_work_points(baseline, where: str) -> st.SearchStrategy[Schedule]:
+    points = strategies.after_save_points(baseline) if where == "between_saves" else \
+        st.one_of(strategies.in_save_points(baseline), strategies.fs_points(baseline))
+    return points.map(lambda p: (p,))
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("determinism_precondition",
+          "two uninterrupted runs agree: the same losses and the same filesystem operations (names that "
+          "differ between runs, such as random temp names, are learned and allowed); otherwise the resume "
+          "checks skip",
+          "conformance/checks/determinism.py", determinism.determinism_precondition, precondition="none"),
+    Check("resume_matches_baseline",
+          "after any crash schedule (plain kills, nothing corrupted) the trainer finishes with exit 0 and "
+          "every loss it logs matches the uninterrupted run within --loss-tol",
+          "conformance/checks/schedules.py", schedules.resume_matches_baseline, needs=("trace",),
+          precondition="operations", draw=lambda b, _: strategies.schedules(b, max_crashes=2), case=_SCHEDULE),
+    Check("no_lost_work",
+          "after each crash it resumes from the newest checkpoint committed before the kill, not an older "
+          "one or from scratch: killed right after a save (is the newest one found?) or inside a save (is "
+          "the previous one kept while the next is written?)",
+          "conformance/checks/schedules.py", schedules.no_lost_work, params=("between_saves", "inside_save"),
+          needs=("trace",), precondition="operations", draw=_no_lost_work_points, case=_SCHEDULE),
+    Check("no_torn_state",
+          "after a kill inside a save, the next process resumes from a complete checkpoint (the previous or "
+          "the interrupted one) and matches the baseline, or at least a plain resume from that checkpoint",
+          "conformance/checks/schedules.py", schedules.no_torn_state, needs=("trace",), precondition="operations",
+          draw=lambda b, _: strategies.in_save_points(b).map(lambda p: (p,)), case=_SCHEDULE),
+    Check("crash_states",
+          "every state a kill can leave during a whole run (before each recorded filesystem operation, and "
+          "with each write torn in half), rebuilt offline from one recording: the trainer resumes from the "
+          "newest committed checkpoint (or the interrupted one, if complete) and its next step matches",
+          "conformance/checks/states.py", states.crash_states_check, needs=("trace",),
+          case=CaseOption("state", "one crash state, by label (e.g. 37 or 37t)")),
+    Check("corruption_detected",
+          "the largest file of the newest checkpoint that a resume reads is truncated, bit-flipped (top "
+          "exponent bit of every float tensor's first element) or deleted: the trainer falls back to an "
+          "intact checkpoint and matches, or exits non-zero with a message, never exit 0 on a diverging curve",
+          "conformance/checks/damage.py", damage.corruption_detected, params=KINDS, needs=("trace",)),
+    Check("untrusted_checkpoint",
+          "each file of the newest checkpoint in turn is replaced by a pickle that runs code when loaded; "
+          "that code must never run",
+          "conformance/checks/untrusted.py", untrusted.untrusted_checkpoint, needs=("trace",), precondition="none"),
+    Check("schema_migration",
+          "legacy samples load, and the run resumes at their step and matches the baseline",
+          "conformance/checks/legacy.py", legacy.schema_migration, needs=("legacy_samples",), precondition="none",
+          case=CaseOption("legacy", "one legacy sample, by name")),
+)
+BY_ID = {c.id: c for c in CHECKS}
+
+
+def all_check_ids() -> list[str]:
+    """Every test id a run can have: `check` or `check[param]`."""
+    return [i for c in CHECKS for i in c.ids()]
+
+
+def split_id(check_id: str) -> tuple[Check, str | None]:
+    """`no_lost_work[inside_save]` -> (the no_lost_work entry, "inside_save"); KeyError if unknown."""
+    name, _, rest = check_id.partition("[")
+    check = BY_ID[name]
+    param = rest[:-1] if rest.endswith("]") else None
+    if (param is None) != (not check.params) or (param is not None and param not in check.params):
+        raise KeyError(check_id)
+    return check, param
+
+
+def skip_reason(check: Check, session: Session, spec: RunSpec) -> str | None:
+    """Why `check` cannot run for this trainer here (the skip message), or None."""
+    for need in check.needs:
+        if need == "trace":
+            problem = session.trace_problem()
+            if problem:
+                return problem
+        elif not session.adapter.has(need):
+            return f"adapter lacks capability '{need}'"
+    if check.precondition in ("losses", "operations"):
+        found = session.determinism(spec)
+        if found.losses_problem:
+            return "not deterministic without interruption (see determinism_precondition)"
+        if check.precondition == "operations" and found.operations_problem:
+            return ("its filesystem operations differ between two uninterrupted runs, so crash points cannot "
+                    "be replayed (see determinism_precondition)")
+    return None
+
+
+def case_text(check: Check, case: object) -> str:
+    return format_schedule(case) if check.case is _SCHEDULE else str(case)
+
+
+TABLE_MARKER = "<!-- checks-table -->"
+
+
+def markdown_table() -> str:
+    """The README's checks table, generated from this registry (a test keeps the README in step)."""
+    rows = ["| check id | what it asserts | needs | decided in |", "|---|---|---|---|"]
+    for c in CHECKS:
+        ids = f"`{c.id}[{'|'.join(c.params)}]`".replace("|", "\\|") if c.params else f"`{c.id}`"
+        needs = [{"trace": "strace"}.get(n, f"capability `{n}`") for n in c.needs]
+        if c.precondition != "none":
+            needs.append("deterministic " + ("losses and operations" if c.precondition == "operations" else "losses"))
+        rows.append(f"| {ids} | {c.summary} | {', '.join(needs) or '-'} | `{c.decided_in}` |")
+    return "\n".join(rows)

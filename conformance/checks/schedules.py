@@ -1,0 +1,139 @@
+"""Checks decided by crash trials: kill the trainer at drawn points, resume, judge.
+
+resume_matches_baseline, no_lost_work and no_torn_state share the trial (scenario.py) and differ in
+what they judge; each judge is a pure function of the trial's outcome.
+"""
+from __future__ import annotations
+
+from .. import evidence
+from ..crash import Schedule, format_schedule
+from ..failures import format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
+from ..process import RunSpec
+from ..scenario import TrialOutcome, run_schedule
+from .common import plot_mismatch
+from .session import Session
+
+
+def run_trial(session: Session, spec: RunSpec, schedule: Schedule) -> TrialOutcome:
+    return run_schedule(session.runner, session.adapter, spec, schedule, session.case_dir("trial"),
+                        session.baseline(spec))
+
+
+def _plot_trial(session: Session, check: str, outcome: TrialOutcome) -> str:
+    resumed = [(f"process 1 (killed at {outcome.crashed[0].point})", outcome.crashed[0].result.losses),
+               *outcome.all_losses()]
+    crashes = [(str(c.point), max(c.result.losses, default=max(c.started_from, 0)) + 0.5) for c in outcome.crashed]
+    return plot_mismatch(session, check, outcome.spec, schedule=outcome.schedule, resumed=resumed,
+                         crashes=crashes, resumes=[c.resumed_from for c in outcome.crashed])
+
+
+def _record_trial(session: Session, check: str, outcome: TrialOutcome) -> None:
+    base = session.baseline(outcome.spec).losses
+    compared, worst, rows = 0, None, []
+    for _, losses in outcome.all_losses():
+        compared += len(losses)
+        d = max_abs_diff(base, losses)
+        if d is not None:
+            worst = d if worst is None else max(worst, d)
+        rows += loss_mismatches(base, losses, session.tol)
+    evidence.record(evidence.Trial(
+        check=check, schedule=format_schedule(outcome.schedule), spec=outcome.spec.describe(),
+        crashes=tuple(evidence.CrashRecord(str(c.point), c.kill.text, c.kill.in_progress, c.kill.newest_committed,
+                                           c.resumed_from) for c in outcome.crashed),
+        final_exit=outcome.final.returncode, steps_compared=compared, max_abs_diff=worst,
+        tolerance=session.tol, mismatches=evidence.mismatch_rows(rows[:10])))
+
+
+def describe_crashes(outcome: TrialOutcome) -> str:
+    lines = []
+    for i, c in enumerate(outcome.crashed):
+        where = f"inside the save of step {c.kill.in_progress}" if c.kill.in_progress else "outside any save"
+        r = c.resumed_from
+        resumed = f"next process resumed from step {r}" if r >= 0 else "next process did not resume"
+        lines.append(f"  crash {i + 1}: {c.point} = kill on entry to {c.kill.text} ({where}); "
+                     f"newest committed checkpoint then: step {c.kill.newest_committed}; {resumed}")
+    return "\n".join(lines)
+
+
+def trial(session: Session, check: str, spec: RunSpec, schedule: Schedule) -> TrialOutcome:
+    """Run one schedule and record its evidence (the judges below decide it)."""
+    outcome = run_trial(session, spec, schedule)
+    _record_trial(session, check, outcome)
+    return outcome
+
+
+def _fail(session: Session, check: str, outcome: TrialOutcome, problem: str, details: str):
+    schedule = format_schedule(outcome.schedule)
+    return session.fail(check, outcome.spec, problem, schedule=schedule, details=details,
+                        case={"schedule": schedule})
+
+
+def resume_matches_baseline(session: Session, check: str, spec: RunSpec, _param, schedule: Schedule) -> None:
+    """After any crash schedule the run finishes (exit 0) on the uninterrupted loss curve."""
+    outcome = trial(session, check, spec, schedule)
+    base = session.baseline(spec)
+    if outcome.final.returncode != 0:
+        raise _fail(session, check, outcome,
+                    f"the resumed run exited {outcome.final.returncode} after a plain kill (an in-place "
+                    "or torn write looks like this from outside)",
+                    describe_crashes(outcome) + "\n  stderr of the resumed run:\n" + stderr_tail(outcome.final.stderr))
+    for who, losses in outcome.all_losses():
+        rows = loss_mismatches(base.losses, losses, session.tol)
+        if rows:
+            raise _fail(session, check, outcome,
+                        f"{who}: loss differs from the uninterrupted run at {len(rows)} step(s) "
+                        f"(tolerance {session.tol:g})",
+                        describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)
+                        + "\n" + _plot_trial(session, check, outcome))
+    last = max([s for _, l in outcome.all_losses() for s in l] + [outcome.final_resumed_from])
+    if last < spec.total_steps:
+        raise _fail(session, check, outcome, f"the resumed run stopped at step {last}, not {spec.total_steps}",
+                    describe_crashes(outcome))
+
+
+def no_lost_work(session: Session, check: str, spec: RunSpec, _where, schedule: Schedule) -> None:
+    """After each crash the trainer resumes from the newest checkpoint committed before the kill."""
+    outcome = trial(session, check, spec, schedule)
+    for i, c in enumerate(outcome.crashed):
+        r, newest = c.resumed_from, c.kill.newest_committed
+        if r < 0:
+            continue  # the next process never trained: judged by resume_matches_baseline / no_torn_state
+        if r < newest:
+            what = "from scratch" if r == 0 else f"from step {r}"
+            raise _fail(session, check, outcome, f"after crash {i + 1} the trainer resumed {what}, but the "
+                        f"checkpoint of step {newest} was committed before the kill", describe_crashes(outcome))
+        upper = max(c.kill.in_progress or newest, newest)
+        if r > upper:
+            raise _fail(session, check, outcome, f"after crash {i + 1} the trainer resumed from step {r}, later "
+                        f"than any checkpoint that could have been written before the kill (step {upper})",
+                        describe_crashes(outcome))
+
+
+def no_torn_state(session: Session, check: str, spec: RunSpec, _param, schedule: Schedule) -> None:
+    """After a kill inside a save, the checkpoint the next process resumes from is complete."""
+    outcome = trial(session, check, spec, schedule)
+    base = session.baseline(spec)
+    processes = [c.result for c in outcome.crashed[1:]] + [outcome.final]
+    for i, c in enumerate(outcome.crashed):
+        if not c.kill.in_progress:
+            continue
+        nxt, r = processes[i], c.resumed_from
+        if r < 0 or (not nxt.losses and nxt.returncode not in (0, -9, 137)):
+            raise _fail(session, check, outcome,
+                        f"after a kill inside the save of step {c.kill.in_progress} the trainer could not "
+                        f"resume (exit {nxt.returncode}): it found a torn checkpoint",
+                        describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(nxt.stderr))
+        if r not in (c.kill.newest_committed, c.kill.in_progress):
+            continue  # lost work, judged by no_lost_work
+        rows = loss_mismatches(base.losses, nxt.losses, session.tol)
+        if rows and r > 0 and session.same_as_plain_resume(spec, r, nxt.losses):
+            evidence.record(evidence.Note(f"crash {i + 1}: the curve after resuming from step {r} diverges "
+                                          "exactly as a plain resume from that checkpoint does: whole "
+                                          "checkpoint, a resume_matches_baseline problem"))
+            continue
+        if rows:
+            raise _fail(session, check, outcome,
+                        f"after a kill inside the save of step {c.kill.in_progress} the trainer resumed from "
+                        f"step {r} and its losses differ: it loaded incomplete state",
+                        describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)
+                        + "\n" + _plot_trial(session, check, outcome))

@@ -1,0 +1,189 @@
+"""What the checks share within one pytest session: the trainer, its runner, and every run they
+would otherwise repeat (baselines, the determinism run, the prefix run, plain resumes).
+
+Each cached value is a pure function of (adapter, spec): computed once, then read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from .. import alignment, evidence
+from ..adapters import TrainerAdapter
+from ..crash import CrashPoint
+from ..failures import fail, format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
+from ..process import RunSpec
+from ..recording import RecordedRun
+from ..runners import Runner, WarmRunner, traced_run
+from ..scenario import CrashNotLanded, CrashPointMissing, run_schedule
+from ..settings import DEFAULT_TOL
+from ..strace import strace_problem
+
+SCRATCH_MIN_FREE = 2 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Determinism:
+    """Whether two uninterrupted runs agree, in losses and in filesystem operations."""
+
+    losses_problem: str | None
+    operations_problem: str | None
+    alignment: alignment.Alignment
+    evidence: evidence.Determinism
+
+
+class Session:
+    """One trainer under test, with a per-session cache of the runs every check needs."""
+
+    def __init__(self, adapter: TrainerAdapter, workdir: Path | None = None, runner: Runner | None = None,
+                 tol: float = DEFAULT_TOL, plot_dir: Path | None = None):
+        self.adapter = adapter
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="conformance-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.scratch = scratch_root(self.workdir)
+        self.plot_dir = Path(plot_dir) if plot_dir else self.workdir / "plots"
+        self.runner: Runner = runner or WarmRunner()
+        self.tol = tol
+        self._cache: dict[tuple, object] = {}
+        self._lock = threading.RLock()   # crash states ask from several threads: compute each value once
+
+    def _cached(self, key: tuple, compute):
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = compute()
+            return self._cache[key]
+
+    def close(self) -> None:
+        self.runner.close()
+        if self.scratch != self.workdir:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def case_dir(self, name: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.scratch))
+
+    def trace_problem(self) -> str | None:
+        """Why this trainer's runs cannot be traced here, or None."""
+        if not self.adapter.has("syscall_crash"):
+            return "adapter lacks capability 'syscall_crash' (it may not run under strace)"
+        problem = strace_problem()
+        return f"syscall tracing unavailable: {problem}" if problem else None
+
+    def fail(self, check: str, spec: RunSpec, problem: str, **kw):
+        return fail(check, self.adapter, spec, problem, **kw)
+
+    # -- uninterrupted runs -------------------------------------------------------------------------
+    def baseline(self, spec: RunSpec) -> RecordedRun:
+        """The uninterrupted run every verdict compares with, recorded with its data (crash states
+        are rebuilt from it)."""
+        return self._cached(("baseline", spec), lambda: self._uninterrupted(spec, "baseline", data=True))
+
+    def second_run(self, spec: RunSpec) -> RecordedRun:
+        """Another uninterrupted run: what differs from the baseline is run-random or nondeterministic."""
+        return self._cached(("second", spec), lambda: self._uninterrupted(spec, "second", data=False))
+
+    def _uninterrupted(self, spec: RunSpec, tag: str, *, data: bool) -> RecordedRun:
+        run = traced_run(self.runner, self.adapter, spec, self.case_dir(tag), tag=tag, data=data,
+                         trace=self.trace_problem() is None)
+        if run.result.returncode != 0:
+            raise self.fail("determinism_precondition", spec, f"an uninterrupted run exited {run.result.returncode}",
+                            details="  stderr:\n" + stderr_tail(run.result.stderr))
+        missing = [s for s in range(1, spec.total_steps + 1) if s not in run.losses]
+        if missing:
+            raise self.fail("determinism_precondition", spec,
+                            f"an uninterrupted run logged no loss for steps {missing[:5]} "
+                            "(CONFORMANCE_LOSS_LOG must get one line per step)")
+        return run
+
+    def determinism(self, spec: RunSpec) -> Determinism:
+        return self._cached(("determinism", spec), lambda: self._determinism(spec))
+
+    def _determinism(self, spec: RunSpec) -> Determinism:
+        base = self.baseline(spec)
+        again = self.second_run(spec)
+        rows = loss_mismatches(base.losses, again.losses, self.tol)
+        losses = None
+        if rows or set(again.losses) != set(base.losses):
+            losses = "not deterministic without interruption: two uninterrupted runs differ\n" + format_mismatches(rows)
+        lined_up = alignment.align(base, again)
+        operations = None
+        if lined_up.divergence is not None and self.trace_problem() is None:
+            operations = ("the filesystem operations of two uninterrupted runs differ, so a crash point "
+                          "cannot be replayed exactly (threads racing in a save, or names that are neither "
+                          "a function of the step nor fresh per run)\n    "
+                          + lined_up.divergence.describe("run 1", "run 2"))
+        numbers = evidence.Determinism(
+            spec=spec.describe(), exit_codes=(base.result.returncode, again.result.returncode),
+            steps=len(base.losses), max_abs_diff=max_abs_diff(base.losses, again.losses), tolerance=self.tol,
+            mismatches=evidence.mismatch_rows(rows[:10]), operations=len(base.mutations),
+            run_random_names=tuple(n.describe() for n in lined_up.names),
+            divergence=lined_up.divergence.describe("run 1", "run 2") if lined_up.divergence else "")
+        return Determinism(losses, operations, lined_up, numbers)
+
+    def prefix(self, spec: RunSpec) -> tuple[RecordedRun, int]:
+        """A traced run stopped at the last save before total_steps, keeping an older save."""
+        def compute():
+            stop = spec.save_every * ((spec.total_steps - 1) // spec.save_every)
+            if stop < 2 * spec.save_every:
+                raise ValueError(f"total_steps={spec.total_steps} leaves no room for two saves "
+                                 f"before the end with save_every={spec.save_every}")
+            short = RunSpec(stop, spec.save_every, spec.seed)
+            return traced_run(self.runner, self.adapter, short, self.case_dir("prefix"), tag="prefix"), stop
+        return self._cached(("prefix", spec), compute)
+
+    def files_read_on_resume(self, spec: RunSpec) -> frozenset[str]:
+        """Files (relative to the checkpoint directory) a resume from the prefix run's directory
+        opens: damage goes to files a resume reads, not to a copy the trainer never reads."""
+        def compute():
+            prefix, stop = self.prefix(spec)
+            return traced_run(self.runner, self.adapter, RunSpec(stop + 1, spec.save_every, spec.seed),
+                              self.case_dir("reads"), tag="resume", prepare=prefix.ckpt_dir).reads
+        return self._cached(("reads", spec), compute)
+
+    def plain_resume_losses(self, spec: RunSpec, step: int) -> dict[int, float] | None:
+        """Losses of a resume from the checkpoint of `step` after a plain kill between steps (no
+        kill inside a save, nothing damaged), or None if that cannot be arranged. A curve that
+        matches this one came from a whole checkpoint, whatever else is wrong with the resume."""
+        def compute():
+            if not 0 < step < spec.total_steps:
+                return None
+            try:
+                outcome = run_schedule(self.runner, self.adapter, spec, (CrashPoint("step", step),),
+                                       self.case_dir("plain-resume"), self.baseline(spec))
+            except (CrashNotLanded, CrashPointMissing):
+                return None
+            ok = outcome.final_resumed_from == step and outcome.final.returncode == 0
+            return outcome.final.losses if ok else None
+        return self._cached(("plain", spec, step), compute)
+
+    def same_as_plain_resume(self, spec: RunSpec, step: int, losses: dict[int, float]) -> bool:
+        plain = self.plain_resume_losses(spec, step)
+        return bool(plain) and bool(losses) and set(losses) <= set(plain) and not loss_mismatches(plain, losses, self.tol)
+
+
+def scratch_root(workdir: Path) -> Path:
+    """Where trainer processes keep their checkpoint directories during a session.
+
+    CONFORMANCE_SCRATCH=workdir (default): the session's work directory. A path: a directory
+    under it. `auto`: tmpfs (/dev/shm) when it has at least SCRATCH_MIN_FREE bytes free. Not the
+    default, because the filesystem can change what a trainer does: Lightning's temp file lives in
+    the system temp directory, and when the checkpoint directory is on another filesystem its
+    "atomic" move becomes an in-place copy."""
+    choice = os.environ.get("CONFORMANCE_SCRATCH", "workdir")
+    if choice == "workdir":
+        return workdir
+    if choice != "auto":
+        path = Path(choice)
+        path.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="conformance-", dir=path))
+    shm = Path("/dev/shm")
+    try:
+        st = os.statvfs(shm)
+        if st.f_bavail * st.f_frsize >= SCRATCH_MIN_FREE and os.access(shm, os.W_OK):
+            return Path(tempfile.mkdtemp(prefix="conformance-", dir=shm))
+    except OSError:
+        pass
+    return workdir

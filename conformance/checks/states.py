@@ -1,0 +1,124 @@
+"""crash_states: every state a kill can leave during a whole run, rebuilt offline from the
+baseline's recording (crash_states.py) and each decided by one short resume.
+
+A state's verdict is a pure function of the state: which probes run, and how their outcome is
+judged, depend on the state and the recording only.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .. import evidence
+from ..crash_states import CrashState, build_state, crash_states, probe_specs
+from ..failures import stderr_tail
+from ..process import ProcessResult, RunSpec
+from ..recording import UnreplayableTrace
+from .session import Session
+
+MAX_STATE_FAILURES = 5
+STATE_WORKERS = int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1)
+
+
+def resumed_past(result: ProcessResult) -> bool:
+    """Exit 0 without training a step: the trainer found a checkpoint at or past total_steps."""
+    return result.returncode == 0 and result.first_step is None
+
+
+def judge_state(state: CrashState, result: ProcessResult, baseline: dict[int, float], spec: RunSpec,
+                tol: float) -> str | None:
+    """None if the trainer resumed correctly in this state, else what went wrong."""
+    allowed = {state.newest_committed} | ({state.in_progress} if state.in_progress else set())
+    if result.returncode != 0:
+        return f"the trainer exited {result.returncode} (it found a torn or unreadable checkpoint)"
+    if result.first_step is None:
+        return (f"the trainer exited 0 without training: it resumed from a step at or beyond "
+                f"{spec.total_steps}, later than any checkpoint committed before the kill")
+    resumed = result.first_step - 1
+    if resumed not in allowed:
+        want = " or ".join(f"step {s}" for s in sorted(allowed))
+        what = "from scratch" if resumed == 0 else f"from step {resumed}"
+        return f"the trainer resumed {what}; expected {want} (newest committed before the kill)"
+    bad = [(s, loss) for s, loss in sorted(result.losses.items()) if not abs(loss - baseline.get(s, float("nan"))) <= tol]
+    if bad:
+        s, loss = bad[0]
+        return (f"the trainer resumed from step {resumed} but its loss at step {s} is {loss:.8g}, baseline "
+                f"{baseline.get(s, float('nan')):.8g}: it loaded incomplete state")
+    return None
+
+
+def decide_state(session: Session, spec: RunSpec, state: CrashState, directory: Path
+                 ) -> tuple[str | None, ProcessResult]:
+    """Build the state under `directory`, run its probes, judge."""
+    run = session.baseline(spec)
+    ckpt, log = (directory / "ckpt").resolve(), (directory / "loss.jsonl").resolve()
+    probes = probe_specs(spec, state)
+    for probe in probes:
+        build_state(run, state, ckpt)
+        log.unlink(missing_ok=True)
+        result = session.runner.run_process(session.adapter, probe, ckpt, log)
+        if not resumed_past(result):
+            break
+    problem = judge_state(state, result, run.losses, probe, session.tol)
+    if problem and result.returncode == 0 and result.first_step and result.first_step > 1 \
+            and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
+        problem = None   # the same steps as a plain resume from that checkpoint: it was whole
+    return problem, result
+
+
+def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None, only: str | None = None) -> int:
+    """Every state a kill can leave during one recorded run; returns how many were checked."""
+    run = session.baseline(spec)
+    try:
+        states = crash_states(run)
+    except UnreplayableTrace as exc:
+        raise session.fail(check, spec, f"the recorded run cannot be replayed offline: {exc}",
+                           details="  (an unreplayable recording is reported, never passed)") from None
+    if only is not None:
+        states = [s for s in states if s.label == only]
+        if not states:
+            raise ValueError(f"no crash state {only!r}: labels are op numbers 0..{len(run.ops) - 1}, "
+                             "with a 't' suffix for a torn write")
+    state_root = session.case_dir("states")
+
+    def check_one(state: CrashState):
+        d = Path(tempfile.mkdtemp(prefix=f"state-{state.label}-", dir=state_root))
+        problem, result = decide_state(session, spec, state, d)
+        if problem is None:
+            shutil.rmtree(d, ignore_errors=True)
+        return state, problem, result
+
+    failures = []
+    try:
+        # States are independent: check several at once (each is one short forked process).
+        with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
+            for state, problem, result in pool.map(check_one, states):
+                if problem:
+                    failures.append((state, problem, result))
+                    if len(failures) >= MAX_STATE_FAILURES:
+                        pool.shutdown(cancel_futures=True)   # enough to report: skip the rest
+                        break
+    finally:
+        # Passing states removed their directories; failing ones stay for inspection, next to the
+        # session's other work files.
+        if session.scratch != session.workdir:
+            for d in state_root.iterdir():
+                shutil.move(str(d), session.workdir / d.name)
+        if not any(state_root.iterdir()):
+            state_root.rmdir()
+    evidence.record(evidence.CrashStates(states=len(states), operations=len(run.mutations), failed=len(failures),
+                                         failing=tuple(s.label for s, _, _ in failures)))
+    if failures:
+        state, problem, result = failures[0]
+        others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])
+        raise session.fail(
+            check, spec, f"in the state a {state.description} leaves, {problem}",
+            details=f"  state {state.label}: newest committed checkpoint then: step {state.newest_committed}"
+                    + (f"; inside the save of step {state.in_progress}" if state.in_progress else "")
+                    + f"\n  stderr:\n{stderr_tail(result.stderr)}"
+                    + (f"\n  other failing states (first {MAX_STATE_FAILURES}):{others}" if others else ""),
+            case={"state": state.label})
+    return len(states)

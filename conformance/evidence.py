@@ -1,0 +1,212 @@
+"""The numbers behind every verdict, as typed records.
+
+Checks `record(...)` evidence while they run; the pytest plugin attaches what a test recorded to its
+report (a `user_properties` entry: pytest-xdist carries it from workers to the controller and
+`--junitxml` writes it as a property), and report.py renders it. Records cross process boundaries
+as JSON (`to_json` / `from_json`) and are used as objects everywhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+_KINDS: dict[str, type] = {}
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON values: non-finite floats become strings, tuples lists, keys strings."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return jsonable(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value)   # "inf" / "nan" as written by jsonable
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    step: int
+    baseline: float | None
+    resumed: float
+    abs_diff: float
+
+
+def mismatch_rows(rows) -> tuple[Mismatch, ...]:
+    return tuple(Mismatch(s, b, g, d) for s, b, g, d in rows)
+
+
+class Evidence:
+    """Base of every evidence record: a `kind` tag, JSON round trip and a one-line summary."""
+
+    kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.kind:
+            _KINDS[cls.kind] = cls
+
+    def summary(self) -> str:
+        return ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, **jsonable(dataclasses.asdict(self)), "summary": self.summary()}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> "Evidence":
+        cls = _KINDS.get(data.get("kind", ""))
+        if cls is None:
+            return Note(f"unknown evidence kind {data.get('kind')!r}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        if "mismatches" in values:
+            values["mismatches"] = tuple(Mismatch(**m) for m in values["mismatches"] or ())
+        if "crashes" in values:
+            values["crashes"] = tuple(CrashRecord(**c) for c in values["crashes"] or ())
+        for name in ("max_abs_diff",):
+            if name in values:
+                values[name] = _number(values[name])
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrashRecord:
+    point: str
+    planned: str
+    inside_save_of: int | None
+    newest_committed: int
+    resumed_from: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial(Evidence):
+    kind: ClassVar[str] = "trial"
+    check: str
+    schedule: str
+    spec: str
+    crashes: tuple[CrashRecord, ...]
+    final_exit: int
+    steps_compared: int
+    max_abs_diff: float | None
+    tolerance: float
+    mismatches: tuple[Mismatch, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Determinism(Evidence):
+    kind: ClassVar[str] = "determinism"
+    spec: str
+    exit_codes: tuple[int, ...]
+    steps: int
+    max_abs_diff: float | None
+    tolerance: float
+    mismatches: tuple[Mismatch, ...] = ()
+    operations: int = 0                     # mutations under the checkpoint dir per run
+    run_random_names: tuple[str, ...] = ()  # learned from the two runs
+    divergence: str = ""                    # the first operation the runs differ at
+
+    def summary(self) -> str:
+        diff = f"{self.max_abs_diff:.3g}" if self.max_abs_diff is not None else "n/a"
+        names = f", {len(self.run_random_names)} run-random name(s)" if self.run_random_names else ""
+        ops = f"; operations differ: {self.divergence}" if self.divergence else \
+            f"; same {self.operations} filesystem operations{names}"
+        return f"two uninterrupted runs, {self.steps} steps, max |diff| {diff}{ops}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CrashStates(Evidence):
+    kind: ClassVar[str] = "crash_states"
+    states: int
+    operations: int
+    failed: int
+    failing: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        return (f"{self.states} crash states rebuilt from {self.operations} recorded operations"
+                + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Corruption(Evidence):
+    kind: ClassVar[str] = "corruption"
+    corruption: str
+    file: str
+    what: str
+    newest_step: int
+    exit_code: int
+    resumed_from: int
+    max_abs_diff: float | None
+
+    def summary(self) -> str:
+        return (f"{self.corruption} {self.file}: exit {self.exit_code}, "
+                + (f"resumed from step {self.resumed_from}" if self.exit_code == 0 else "refused to resume"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Untrusted(Evidence):
+    kind: ClassVar[str] = "untrusted"
+    files: tuple[str, ...]
+    code_ran: tuple[str, ...]
+    exit_codes: tuple[int, ...]
+
+    def summary(self) -> str:
+        return (f"{len(self.files)} file(s) replaced one at a time by a code-running pickle: code "
+                + (f"RAN for {', '.join(self.code_ran)}" if self.code_ran else "never ran"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Legacy(Evidence):
+    kind: ClassVar[str] = "legacy"
+    sample: str
+    step: int
+    seed: int
+    exit_code: int
+    resumed_from: int
+    max_abs_diff: float | None
+
+    def summary(self) -> str:
+        return f"{self.sample}: exit {self.exit_code}, resumed from step {self.resumed_from}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plot(Evidence):
+    kind: ClassVar[str] = "plot"
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Note(Evidence):
+    kind: ClassVar[str] = "note"
+    text: str
+
+    def summary(self) -> str:
+        return self.text
+
+
+_recorded: list[Evidence] = []
+
+
+def record(item: Evidence) -> None:
+    """Attach evidence to the running test (one record per trial or case)."""
+    _recorded.append(item)
+
+
+def take() -> list[Evidence]:
+    """What the running test recorded so far; clears it."""
+    out = list(_recorded)
+    _recorded.clear()
+    return out

@@ -1,0 +1,296 @@
+"""The model of what one traced run did: the one owner of "which operations, in which save, and
+which saves were committed before operation i".
+
+A `RecordedRun` is built from the syscalls `strace.parse` returns: every filesystem operation under
+the checkpoint directory in order (with its bytes, when the run was recorded with data), files
+written elsewhere and later renamed in, the loss-log writes that mark step boundaries, and the
+files a run opened for reading. Scenarios, crash states, strategies and the checks ask it; none
+of them reads a trace or recomputes these facts.
+
+A save is the set of operations between logging step s and logging step s+1 (the trainer has moved
+on once it logs s+1, believing the save done); it is committed before operation i when all of its
+operations come before i.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+
+from . import strace
+from .process import ProcessResult, RunSpec
+
+# Operations that change the directory or a file's bytes (crash points are drawn among these).
+MUTATIONS = frozenset({"mkdir", "create", "write", "truncate", "rename", "unlink", "rmdir", "link",
+                       "symlink", "fsync"})
+_WRITE_CALLS = ("write", "pwrite64", "writev", "pwritev", "pwritev2")
+_OPEN_WRITE_FLAGS = ("O_CREAT", "O_TRUNC", "O_WRONLY", "O_RDWR", "O_APPEND")
+
+
+class UnreplayableTrace(Exception):
+    """The recorded run did something the offline replayer cannot rebuild exactly (named)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One recorded filesystem operation (paths relative to the checkpoint directory; absolute for
+    a file written elsewhere and later renamed in)."""
+
+    index: int
+    kind: str                  # mkdir create open write seek truncate rename unlink rmdir link symlink fsync
+    path: str
+    target: str = ""           # rename/link destination, symlink target
+    data: bytes | None = b""   # bytes written; None if the trace cut them short
+    offset: int | None = None  # pwrite/seek/truncate offset; None: at the fd's position
+    fd: int = -1
+    flags: str = ""
+    after_step: int = 0        # the last step logged before this operation (0: none yet)
+    inside: bool = True        # False: a file elsewhere, kept because it is renamed in later
+    syscall: str = ""
+    nth: int = 0
+    tid: int = 0
+    targetable: bool = False   # a KILL injected at (syscall, nth) lands here and nowhere earlier
+    killed: bool = False       # the process died inside this call
+
+    @property
+    def mutation(self) -> bool:
+        return self.inside and self.kind in MUTATIONS
+
+    def describe(self) -> str:
+        if self.kind == "write":
+            size = "?" if self.data is None else len(self.data)
+            return f"write {size} bytes to {self.path}"
+        if self.kind in ("rename", "link"):
+            return f"{self.kind} {self.path} -> {self.target}"
+        if self.kind == "fsync" and self.syscall == "fdatasync":
+            return f"fdatasync {self.path}"
+        return f"{self.kind} {self.path}"
+
+
+@dataclasses.dataclass
+class RecordedRun:
+    """One traced, uninterrupted (or killed) trainer process and everything it did."""
+
+    spec: RunSpec
+    result: ProcessResult
+    ckpt_dir: Path
+    ops: tuple[Op, ...]
+    step_logs: dict[int, strace.Syscall]     # step k -> the loss-log write that logged it
+    reads: frozenset[str]                    # files under the checkpoint directory opened for reading
+    preexisting: frozenset[str] = frozenset()  # relative paths present before the run
+    unreplayable: str | None = None          # why crash states cannot be rebuilt from this run
+
+    # -- the run's operations and saves -------------------------------------------------------------
+    @property
+    def losses(self) -> dict[int, float]:
+        return self.result.losses
+
+    @functools.cached_property
+    def mutations(self) -> list[int]:
+        """Op indices of the mutations under the checkpoint directory: `fs:i` counts these."""
+        return [op.index for op in self.ops if op.mutation]
+
+    def crash_points(self) -> list[int]:
+        """Positions (into `mutations`) that a syscall-level injection can hit exactly."""
+        return [k for k, i in enumerate(self.mutations) if self.ops[i].targetable]
+
+    @functools.cached_property
+    def _windows(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for i in self.mutations:
+            out.setdefault(self.ops[i].after_step, []).append(i)
+        return out
+
+    def windows(self) -> dict[int, list[int]]:
+        """Step s -> op indices of the mutations made between logging s and logging s+1."""
+        return self._windows
+
+    def saves(self) -> list[int]:
+        """Steps whose save wrote something, in order."""
+        return sorted(s for s in self.windows() if s)
+
+    def committed_before(self, op_index: int) -> int:
+        """The newest save all of whose operations come before op `op_index` (0: none)."""
+        return max((s for s, idxs in self.windows().items() if s and idxs[-1] < op_index), default=0)
+
+    def committed_by_step(self, step: int) -> int:
+        """The newest save finished when step `step` + 1 is about to be logged (0: none)."""
+        return max((s for s in self.windows() if 0 < s <= step), default=0)
+
+    def in_progress(self, op_index: int) -> int | None:
+        """The save op `op_index` belongs to, or None outside any save."""
+        return self.ops[op_index].after_step or None
+
+    def position_in_save(self, op_index: int) -> int:
+        """1-based position of op `op_index` among its save's mutations."""
+        return self.windows().get(self.ops[op_index].after_step, []).index(op_index) + 1
+
+    def role(self, op_index: int) -> str:
+        """What an operation is, independent of run-random names: its place in its save."""
+        op, s = self.ops[op_index], self.ops[op_index].after_step
+        where = f"the save of step {s}" if s else "the start of the run"
+        return f"{op.kind} #{self.position_in_save(op_index)} of {where}"
+
+    def killed_op(self) -> Op | None:
+        return next((op for op in self.ops if op.killed), None)
+
+    def step_targetable(self, step: int) -> bool:
+        return step in self.step_logs and self._first_to_reach.get(
+            (self.step_logs[step].name, self.step_logs[step].nth)) == self.step_logs[step].seq
+
+    _first_to_reach: dict = dataclasses.field(default_factory=dict, repr=False)
+
+
+def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, ckpt_dir: Path,
+          loss_log: Path, *, preexisting: frozenset[str] = frozenset()) -> RecordedRun:
+    """The model of a run from its parsed trace."""
+    root_s, log_s = str(ckpt_dir), str(loss_log)
+    first_to_reach: dict[tuple[str, int], int] = {}
+    for sc in syscalls:
+        first_to_reach.setdefault((sc.name, sc.nth), sc.seq)
+    ops: list[Op] = []
+    step_logs: dict[int, strace.Syscall] = {}
+    reads: set[str] = set()
+    unreplayable: list[str] = []
+    logged = 0
+    ordered_steps = iter(sorted(result.losses))
+
+    def rel(path: str | None) -> str | None:
+        """Relative to the root for paths under it; absolute for other regular paths (a file
+        written elsewhere and renamed in keeps its bytes); None for the rest."""
+        if path is None:
+            return None
+        if path == root_s:
+            return "."
+        if path.startswith(root_s + os.sep):
+            return path[len(root_s) + 1:]
+        if path.startswith("/") and path != log_s and (
+                path.startswith("/dev/shm/") or not path.startswith(("/dev/", "/proc/", "/sys/"))):
+            return path
+        return None
+
+    def add(sc: strace.Syscall, kind: str, path: str, **kw) -> None:
+        inside = not path.startswith("/") or not kw.get("target", "/").startswith("/")
+        targetable = kind != "create" and first_to_reach.get((sc.name, sc.nth)) == sc.seq
+        ops.append(Op(len(ops), kind, path, after_step=logged, inside=inside, syscall=sc.name, nth=sc.nth,
+                      tid=sc.tid, targetable=targetable, killed=sc.killed, **kw))
+
+    for sc in syscalls:
+        if sc.failed:
+            continue   # a failed call changes nothing
+        call, args = sc.name, sc.args
+        if call in _WRITE_CALLS:
+            if not args:
+                continue
+            if strace.fd_path(args[0]) == log_s:
+                if not sc.killed:
+                    logged = _logged_step(sc, logged, ordered_steps)
+                    step_logs[logged] = sc
+                else:
+                    ops.append(Op(len(ops), "log", log_s, after_step=logged, inside=False, syscall=call,
+                                  nth=sc.nth, tid=sc.tid, killed=True,
+                                  targetable=first_to_reach.get((sc.name, sc.nth)) == sc.seq))
+                continue
+            path = rel(strace.fd_path(args[0]))
+            if path is None:
+                continue
+            add(sc, "write", path, data=_written_bytes(sc), fd=strace.fd_number(args[0]),
+                offset=int(args[3]) if call in ("pwrite64", "pwritev", "pwritev2") and len(args) > 3 else None)
+        elif call == "fallocate":
+            path = rel(strace.fd_path(args[0]))
+            if path is not None:
+                unreplayable.append(f"fallocate on {path}")
+                add(sc, "write", path, data=None, fd=strace.fd_number(args[0]))
+        elif call in ("openat", "open", "creat"):
+            dir_arg, path_arg = (args[0], args[1]) if call == "openat" else (None, args[0] if args else "")
+            path = rel(strace.resolve(dir_arg, path_arg))
+            flags = (args[2] if call == "openat" and len(args) > 2 else args[1] if call == "open" and len(args) > 1
+                     else "O_CREAT|O_TRUNC|O_WRONLY")
+            if path is None:
+                continue
+            if not any(f in flags for f in _OPEN_WRITE_FLAGS):
+                if not path.startswith("/") and not sc.killed:
+                    reads.add(path)
+                continue
+            if "O_DIRECT" in flags:
+                unreplayable.append(f"O_DIRECT writes to {path}")
+            kind = "create" if ("O_CREAT" in flags or "O_TRUNC" in flags) else "open"
+            add(sc, kind, path, fd=sc.value if sc.value is not None else -1, flags=flags)
+        elif call == "lseek":
+            path = rel(strace.fd_path(args[0]))
+            if path is not None and sc.value is not None:
+                add(sc, "seek", path, fd=strace.fd_number(args[0]), offset=sc.value)
+        elif call in ("ftruncate", "truncate"):
+            path = rel(strace.fd_path(args[0]) if call == "ftruncate" else strace.resolve(None, args[0]))
+            if path is not None:
+                add(sc, "truncate", path, fd=strace.fd_number(args[0]) if call == "ftruncate" else -1,
+                    offset=int(args[1]))
+        elif call in ("rename", "renameat", "renameat2", "link", "linkat"):
+            if call in ("rename", "link"):
+                src, dst = strace.resolve(None, args[0]), strace.resolve(None, args[1])
+            else:
+                src, dst = strace.resolve(args[0], args[1]), strace.resolve(args[2], args[3])
+            s, d = rel(src), rel(dst)
+            if s is None or d is None:
+                if (s or "/").startswith("/") and (d or "/").startswith("/"):
+                    continue   # nothing under the checkpoint directory
+                unreplayable.append(f"{call} from or to a path that is not a regular file: {src} -> {dst}")
+                continue
+            add(sc, "rename" if call.startswith("rename") else "link", s, target=d)
+        elif call in ("unlink", "unlinkat", "rmdir"):
+            path = rel(strace.resolve(args[0], args[1]) if call == "unlinkat" else strace.resolve(None, args[0]))
+            if path is not None:
+                is_dir = call == "rmdir" or (call == "unlinkat" and len(args) > 2 and "AT_REMOVEDIR" in args[2])
+                add(sc, "rmdir" if is_dir else "unlink", path)
+        elif call in ("mkdir", "mkdirat"):
+            path = rel(strace.resolve(args[0], args[1]) if call == "mkdirat" else strace.resolve(None, args[0]))
+            if path is not None and path != ".":
+                add(sc, "mkdir", path)
+        elif call in ("symlink", "symlinkat"):
+            link = rel(strace.resolve(args[1], args[2]) if call == "symlinkat" else strace.resolve(None, args[1]))
+            if link is not None:
+                add(sc, "symlink", link, target=strace.string_path(args[0]) or "")
+        elif call in ("fsync", "fdatasync"):
+            path = rel(strace.fd_path(args[0]))
+            if path is not None:
+                add(sc, "fsync", path, fd=strace.fd_number(args[0]))
+        elif call == "mmap" and len(args) > 4 and "PROT_WRITE" in args[2] and "MAP_SHARED" in args[3]:
+            path = rel(strace.fd_path(args[4]))
+            if path is not None:
+                unreplayable.append(f"a shared writable mmap of {path} (its writes are not syscalls)")
+    # Operations elsewhere matter only for files that end up under the root: drop the rest.
+    feeding = {op.path for op in ops if op.kind in ("rename", "link") and op.inside and op.path.startswith("/")}
+    kept = [op for op in ops if op.inside or op.kind == "log"
+            or any(op.path == f or op.path.startswith(f + "/") for f in feeding)]
+    kept = [dataclasses.replace(op, index=i) for i, op in enumerate(kept)]
+    run = RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(reads), preexisting,
+                      "; ".join(dict.fromkeys(unreplayable)) or None)
+    run._first_to_reach = first_to_reach
+    return run
+
+
+def _logged_step(sc: strace.Syscall, previous: int, ordered_steps) -> int:
+    """The step a loss-log write logged: read from its JSON line, else the next logged step."""
+    try:
+        text = strace.decode_string(sc.args[1]).decode("utf-8", "replace")
+        steps = [int(json.loads(line)["step"]) for line in text.splitlines() if line.strip()]
+        if steps:
+            return max(steps)
+    except (ValueError, KeyError, TypeError, IndexError):
+        pass
+    return next(ordered_steps, previous + 1)
+
+
+def _written_bytes(sc: strace.Syscall) -> bytes | None:
+    """The bytes a successful write call wrote, or None if the trace cut them short."""
+    n = sc.value or 0
+    try:
+        if sc.name in ("write", "pwrite64"):
+            return strace.decode_string(sc.args[1])[:n]
+        import re
+        parts = re.findall(r'iov_base=("(?:[^"\\]|\\.)*"(?:\.\.\.)?)', sc.args[1])
+        return b"".join(strace.decode_string(p) for p in parts)[:n]
+    except (ValueError, IndexError):
+        return None

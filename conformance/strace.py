@@ -1,0 +1,206 @@
+"""The one strace parser, and the strace command lines the suite runs.
+
+Everything the suite learns from a trace goes through `parse`: it turns strace's text into typed
+`Syscall` records (unfinished/resumed pairs joined, each entry counted per thread as strace's
+`inject=...:when=N` counts it, the entry a KILL stopped marked). `recording.py` builds the model
+of a run from these; nothing else reads strace output.
+
+strace 6.1 notes: `-P` and `--seccomp-bpf` are never used, because with them strace silently skips
+signal injection; `when=N` counts per thread and per syscall.
+"""
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+# Every syscall that changes a directory tree or a file's bytes, plus lseek (it moves the offset
+# later writes land at), the opens (creating, truncating, or reading: what a resume reads) and mmap
+# (a shared writable mapping of a checkpoint file makes the recording unreplayable).
+RECORD_SYSCALLS = (
+    "write", "pwrite64", "writev", "pwritev", "pwritev2", "openat", "open", "creat", "rename",
+    "renameat", "renameat2", "unlink", "unlinkat", "rmdir", "mkdir", "mkdirat", "fsync", "fdatasync",
+    "ftruncate", "truncate", "lseek", "link", "linkat", "symlink", "symlinkat", "fallocate", "mmap",
+)
+MAX_DATA_BYTES = 64 * 1024 * 1024   # strace -s for a recording: longer writes cannot be replayed
+PATH_BYTES = 4096                   # strace -s for a trace that needs paths, not data
+
+_LINE_RE = re.compile(r"^(?P<tid>\d+)\s+(?P<call>[a-z0-9_]+)\((?P<args>.*?)"
+                      r"(?:\)\s+=\s+(?P<ret>.*)| <unfinished \.\.\.>)$")
+_RESUMED_RE = re.compile(r"^(?P<tid>\d+)\s+<\.\.\. (?P<call>\w+) resumed>(?P<args>.*?)\)\s+=\s+(?P<ret>.*)$")
+_KILLED_RE = re.compile(r"^(?P<tid>\d+)\s+\+\+\+ killed by SIG(?P<sig>[A-Z]+)")
+_FD_RE = re.compile(r"^(?P<fd>-?\d+|AT_FDCWD)<(?P<path>[^>]*)>")
+_STRING_RE = re.compile(r'^"((?:[^"\\]|\\.)*)"(\.\.\.)?')
+_RET_RE = re.compile(r"^(?P<val>-?\d+)(?:<(?P<path>[^>]*)>)?")
+
+
+class TruncatedString(ValueError):
+    """strace cut a string argument short (it was longer than -s)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Syscall:
+    """One syscall entry of a traced process, in the order strace saw the entries."""
+
+    seq: int
+    tid: int
+    name: str
+    nth: int                 # this thread's count of this syscall: what `inject=...:when=N` counts
+    args: tuple[str, ...]    # raw argument texts
+    ret: str | None          # raw return text; None if the call never returned (killed in it)
+
+    @property
+    def killed(self) -> bool:
+        """The process died inside this call (how a KILL injection shows)."""
+        return self.ret is None or self.ret.startswith("?")
+
+    @property
+    def value(self) -> int | None:
+        m = _RET_RE.match(self.ret or "")
+        return int(m.group("val")) if m else None
+
+    @property
+    def failed(self) -> bool:
+        v = self.value
+        return v is not None and v < 0
+
+    @property
+    def returned_path(self) -> str | None:
+        m = _RET_RE.match(self.ret or "")
+        return m.group("path") if m else None
+
+
+def split_args(args: str) -> tuple[str, ...]:
+    """Split strace's argument text at top-level commas (strings, arrays and structs kept whole)."""
+    out, depth, cur, in_str, esc = [], 0, [], False, False
+    for ch in args:
+        if in_str:
+            cur.append(ch)
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "[{(<":
+            depth += 1
+        elif ch in "]})>":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    if cur:
+        out.append("".join(cur).strip())
+    return tuple(out)
+
+
+def parse(text: str) -> list[Syscall]:
+    """Every syscall entry in an strace -f -y output, with per-thread counts."""
+    counts: dict[tuple[int, str], int] = {}
+    out: list[Syscall] = []
+    pending: dict[int, tuple[int, str, str]] = {}   # tid -> (slot in out, call, args so far)
+    for line in text.splitlines():
+        m = _LINE_RE.match(line)
+        if m is not None:
+            tid, call = int(m.group("tid")), m.group("call")
+            counts[(tid, call)] = counts.get((tid, call), 0) + 1
+            slot = len(out)
+            out.append(Syscall(slot, tid, call, counts[(tid, call)], split_args(m.group("args")), m.group("ret")))
+            if m.group("ret") is None:
+                pending[tid] = (slot, call, m.group("args"))
+            continue
+        m = _RESUMED_RE.match(line)
+        if m is not None and int(m.group("tid")) in pending:
+            slot, call, head = pending.pop(int(m.group("tid")))
+            out[slot] = dataclasses.replace(out[slot], args=split_args(head + m.group("args")), ret=m.group("ret"))
+            continue
+        m = _KILLED_RE.match(line)
+        if m is not None:
+            pending.pop(int(m.group("tid")), None)   # its unfinished call stays ret=None: killed in it
+    return out
+
+
+# -- reading arguments ------------------------------------------------------------------------------
+def decode_string(arg: str) -> bytes:
+    """The bytes of a string argument; raises TruncatedString if strace cut it short."""
+    m = _STRING_RE.match(arg)
+    if m is None:
+        raise ValueError(f"not a string argument: {arg[:80]!r}")
+    if m.group(2):
+        raise TruncatedString(f"strace cut a string argument short: {arg[:60]!r}...")
+    return codecs.escape_decode(m.group(1).encode("latin-1", "backslashreplace"))[0]
+
+
+def string_path(arg: str) -> str | None:
+    try:
+        return os.fsdecode(decode_string(arg))
+    except ValueError:
+        return None
+
+
+def fd_path(arg: str) -> str | None:
+    """The path strace -y printed for an fd argument (`3</ck/a>`), or None."""
+    m = _FD_RE.match(arg)
+    return m.group("path").removesuffix(" (deleted)") if m else None
+
+
+def fd_number(arg: str) -> int:
+    m = re.match(r"^-?\d+", arg)
+    return int(m.group()) if m else -1
+
+
+def resolve(dir_arg: str | None, path_arg: str) -> str | None:
+    """An absolute, normalized path from a path argument and its directory-fd argument."""
+    path = string_path(path_arg)
+    if path is None:
+        return None
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    base = fd_path(dir_arg) if dir_arg is not None else None
+    return os.path.normpath(os.path.join(base, path)) if base else None
+
+
+# -- command lines ----------------------------------------------------------------------------------
+def record_argv(trace_file: Path, *, data: bool) -> list[str]:
+    """strace arguments that trace every syscall of RECORD_SYSCALLS: with `data`, every write's
+    bytes too (a recording crash states can be rebuilt from); else the paths only."""
+    size = MAX_DATA_BYTES if data else PATH_BYTES
+    return ["strace", "-f", "-qq", "-y", *(["-x"] if data else []), "-s", str(size), "-o", str(trace_file),
+            "-e", "trace=" + ",".join(RECORD_SYSCALLS), "--"]
+
+
+def inject_argv(trace_file: Path, syscall: str, nth: int, *, action: str = "signal=KILL") -> list[str]:
+    """strace arguments that trace like record_argv (paths only) and inject `action` into this
+    thread's `nth` call of `syscall`."""
+    args = record_argv(trace_file, data=False)
+    return args[:-1] + ["-e", f"inject={syscall}:{action}:when={nth}", "--"]
+
+
+@functools.lru_cache(maxsize=1)
+def strace_problem() -> str | None:
+    """None if strace can trace and inject here; otherwise the reason, for a skip message."""
+    exe = shutil.which("strace")
+    if exe is None:
+        return "strace is not installed (apt-get install strace)"
+    try:
+        proc = subprocess.run([exe, "-f", "-qq", "-e", "trace=getppid", "-e",
+                               "inject=getppid:signal=KILL:when=1", "--", "python3", "-c",
+                               "import os; os.getppid(); print('survived')"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"strace could not run: {exc}"
+    if "survived" in proc.stdout:
+        return "strace ran but did not inject a signal (is it combined with -P/--seccomp-bpf?)"
+    if proc.returncode not in (-9, 137):
+        return f"ptrace is not permitted here (strace exited {proc.returncode}: {proc.stderr.strip()[:200]})"
+    return None

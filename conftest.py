@@ -1,0 +1,92 @@
+"""Development only: the project's own tests run against this checkout, and share a few helpers.
+
+- The imported `conformance`, `reference` and `fixtures` must be this checkout's, not a stale
+  installed copy (`pip install -e .` makes them so).
+- Helpers the tests share, as fixtures and a marker (never imported by bare name):
+  `@pytest.mark.needs_strace` (skips, naming why, where strace cannot trace and inject),
+  `repo_root`, `run_pytest` (pytest in a subprocess) and `run_suite` (the conformance suite the
+  way a team runs it, with its verdicts read from JUnit XML).
+
+Nothing here is an option, a Hypothesis profile or a fixture the installed plugin needs: `pytest
+--pyargs conformance` behaves the same from this checkout and from an install
+(tests/test_conformance_plugin.py checks that).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent
+
+for _name in ("conformance", "reference", "fixtures"):
+    _where = Path(importlib.import_module(_name).__file__).resolve()
+    if not _where.is_relative_to(REPO):
+        raise pytest.UsageError(
+            f"'{_name}' is imported from {_where.parent}, not from this checkout ({REPO}): a stale installed "
+            f"copy shadows it. Run `pip install -e {REPO}` (or uninstall the other copy).")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_strace: skip unless strace can trace and inject signals here")
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [item for item in items if item.get_closest_marker("needs_strace")]
+    if not marked:
+        return
+    from conformance.strace import strace_problem
+    problem = strace_problem()
+    if problem:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=f"strace unusable: {problem}"))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return env
+
+
+@pytest.fixture
+def run_pytest(tmp_path):
+    """run_pytest(*args, cwd=tmp_path, timeout=900): pytest in a subprocess, quiet, skips reported."""
+    def run(*args: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
+                               "-W", "ignore::DeprecationWarning", f"--basetemp={tmp_path / 'bt'}", *args],
+                              cwd=cwd or tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return run
+
+
+@pytest.fixture
+def run_suite(tmp_path):
+    """run_suite(*args) -> ({test name: (outcome, message)}, console output): the conformance suite
+    run as a team does, `pytest --pyargs conformance`, verdicts read from its JUnit XML."""
+    def run(*args: str) -> tuple[dict[str, tuple[str, str]], str]:
+        xml = tmp_path / "junit.xml"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
+             f"--junitxml={xml}", f"--basetemp={tmp_path / 'suite'}", "-W", "ignore::DeprecationWarning", *args],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500)
+        assert xml.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+        verdicts = {}
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            outcome, message = "passed", ""
+            for tag in ("failure", "error", "skipped"):
+                el = case.find(tag)
+                if el is not None:
+                    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                    message = (el.get("message") or "") + "\n" + (el.text or "")
+            verdicts[case.get("name")] = (outcome, message)
+        return verdicts, proc.stdout + proc.stderr
+    return run

@@ -1,0 +1,10 @@
+"""What the benchmark measures and the targets it is held to."""
+SAVE_VARIANTS = ("raw_write", "torch_save", "atomic_save", "sharded_save")
+READ_VARIANTS = ("raw_read", "verified_load", "raw_scan")
+VARIANTS = SAVE_VARIANTS + READ_VARIANTS
+MEMORY_VARIANTS = ("torch_save", "atomic_save", "sharded_save")
+TARGETS = {"sharded_save_vs_raw": (">=", 0.9), "atomic_save_vs_torch_save": (">=", 1.0),
+           "verified_load_vs_raw_read": (">=", 0.8), "peak_extra_mem_frac": ("<=", 0.10)}
+_READ_CHUNK = 8 << 20
+_SAMPLE_S = 0.005
+_MARKER = "<!-- reference-bench -->"

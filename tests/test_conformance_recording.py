@@ -1,0 +1,144 @@
+"""Meta-tests of the one strace parser and the model of a run built from it: operations,
+per-thread counts, targetability, save windows, "committed before", and what varies between runs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance import alignment, recording, strace
+from conformance.process import ProcessResult, RunSpec
+
+TRACE = """\
+100  write(1</dev/pts/0>, "hello\\n", 6) = 6
+100  openat(AT_FDCWD</run>, "/ck/.a.tmp-1-00", O_WRONLY|O_CREAT|O_EXCL|O_CLOEXEC, 0644) = 3</ck/.a.tmp-1-00>
+100  write(3</ck/.a.tmp-1-00>, "data"..., 1024) = 1024
+101  write(4</ck/.b.tmp-1-11>, "data"..., 1024 <unfinished ...>
+100  fsync(3</ck/.a.tmp-1-00>) = 0
+101  <... write resumed>) = 1024
+100  rename("/ck/.a.tmp-1-00", "/ck/a") = 0
+100  unlinkat(5</ck/step-1>, "meta.pt", 0) = 0
+100  openat(AT_FDCWD</run>, "/ck/a", O_RDONLY|O_CLOEXEC) = 3</ck/a>
+100  mkdir("/ck/step-2", 0777) = 0
+100  write(7</other/loss.jsonl>, "{\\"step\\": 1, \\"loss\\": 0.5}\\n", 27) = 27
+100  mkdir("/ck/step-3", 0777) = -1 EEXIST (File exists)
+"""
+ROOT, LOG = Path("/ck"), Path("/other/loss.jsonl")
+
+
+def _run(text: str, losses=None, preexisting=frozenset()) -> recording.RecordedRun:
+    result = ProcessResult(0, losses if losses is not None else {1: 0.5}, "")
+    return recording.build(strace.parse(text), RunSpec(3, 1, 0), result, ROOT, LOG, preexisting=preexisting)
+
+
+def test_parse_joins_unfinished_calls_and_counts_per_thread():
+    calls = strace.parse(TRACE)
+    assert [(c.tid, c.name, c.nth) for c in calls[:4]] == [(100, "write", 1), (100, "openat", 1),
+                                                           (100, "write", 2), (101, "write", 1)]
+    assert calls[3].ret == "1024" and not calls[3].killed
+    assert calls[-1].failed and calls[-1].value == -1
+
+
+def test_mutations_under_root_with_kinds_and_counts():
+    run = _run(TRACE)
+    ops = [run.ops[i] for i in run.mutations]
+    assert [(o.tid, o.syscall, o.nth, o.kind) for o in ops] == [
+        (100, "openat", 1, "create"), (100, "write", 2, "write"), (101, "write", 1, "write"),
+        (100, "fsync", 1, "fsync"), (100, "rename", 1, "rename"), (100, "unlinkat", 1, "unlink"),
+        (100, "mkdir", 1, "mkdir")]
+    assert (ops[4].path, ops[4].target) == (".a.tmp-1-00", "a")
+    assert ops[5].path == "step-1/meta.pt"
+    assert ops[1].data is None          # cut short by strace -s: not replayable, still an operation
+    assert run.reads == frozenset({"a"})   # the read-only open is a read, not a mutation
+
+
+def test_targetable_only_when_no_thread_reaches_the_same_count_earlier():
+    run = _run(TRACE)
+    ops = [run.ops[i] for i in run.mutations]
+    assert ops[1].targetable          # thread 100's 2nd write: nobody else reached a 2nd write first
+    assert not ops[2].targetable      # thread 101's 1st write: thread 100 made its 1st write earlier
+    assert not ops[0].targetable      # a file creation (openat) is never a target
+
+
+def test_save_windows_and_committed_before():
+    run = _run(TRACE + '100  write(3</ck/step-2/x>, "ab", 2) = 2\n'
+               + '100  write(7</other/loss.jsonl>, "{\\"step\\": 2, \\"loss\\": 0.4}\\n", 27) = 27\n'
+               + '100  unlink("/ck/a") = 0\n', losses={1: 0.5, 2: 0.4})
+    windows = run.windows()
+    assert sorted(windows) == [0, 1, 2]
+    write_x, unlink_a = windows[1][0], windows[2][0]
+    assert run.committed_before(write_x) == 0 and run.in_progress(write_x) == 1
+    assert run.committed_before(unlink_a) == 1 and run.in_progress(unlink_a) == 2
+    assert run.committed_by_step(1) == 1 and run.committed_by_step(0) == 0
+    assert run.role(unlink_a) == "unlink #1 of the save of step 2"
+    assert sorted(run.step_logs) == [1, 2]
+
+
+def test_a_killed_call_is_marked():
+    text = ('7  rename("/ck/.x.tmp-7-ab", "/ck/x") = 0\n'
+            '7  rename("/ck/.y.tmp-7-cd", "/ck/y") = ?\n'
+            '7  +++ killed by SIGKILL +++\n')
+    run = _run(text, losses={})
+    assert run.killed_op().path == ".y.tmp-7-cd"
+    unfinished = _run('7  write(3</ck/f>, "abc", 3 <unfinished ...>\n7  +++ killed by SIGKILL +++\n', losses={})
+    assert unfinished.killed_op().kind == "write"
+
+
+def test_unreplayable_operations_are_named():
+    run = _run('1 openat(AT_FDCWD</r>, "/ck/w", O_WRONLY|O_CREAT|O_DIRECT, 0644) = 3</ck/w>\n'
+               '1 mmap(NULL, 4096, PROT_READ|PROT_WRITE, MAP_SHARED, 3</ck/w>, 0) = 0x7f0\n', losses={})
+    assert "O_DIRECT" in run.unreplayable and "mmap of w" in run.unreplayable
+
+
+# -- what varies between runs ------------------------------------------------------------------------
+def _save(tmp: str, step: int = 3) -> str:
+    return "\n".join([
+        f'1 openat(AT_FDCWD</r>, "/ck/{tmp}", O_RDWR|O_CREAT|O_EXCL, 0600) = 3</ck/{tmp}>',
+        f'1 write(3</ck/{tmp}>, "x", 1) = 1',
+        f'1 fsync(3</ck/{tmp}>) = 0',
+        f'1 rename("/ck/{tmp}", "/ck/ckpt-{step}.pt") = 0',
+        '1 fsync(4</ck>) = 0']) + "\n"
+
+
+def test_alignment_learns_random_temp_names():
+    first, second = _run(_save(".tmp-3qpmo7zx.partial")), _run(_save(".tmp-xjq0x53g.partial"))
+    lined_up = alignment.align(first, second)
+    assert lined_up.divergence is None
+    assert [(n.first, n.second, n.role) for n in lined_up.names] == [
+        (".tmp-3qpmo7zx.partial", ".tmp-xjq0x53g.partial", "create #1 of the start of the run")]
+
+
+def test_alignment_names_where_two_runs_diverge():
+    first = _run(_save(".tmp-a") + '1 unlink("/ck/old") = 0\n')
+    reordered = _run('1 unlink("/ck/old") = 0\n' + _save(".tmp-b"))
+    found = alignment.align(first, reordered).divergence
+    assert found is not None and found.position == 0
+    assert "create #1" in found.first and "unlink #1" in found.second
+
+
+def test_a_known_name_turning_into_another_is_a_divergence():
+    same_name = _run(_save(".t1", step=3) + '1 unlink("/ck/ckpt-3.pt") = 0\n')
+    other_name = _run(_save(".t2", step=3) + '1 unlink("/ck/ckpt-6.pt") = 0\n')
+    found = alignment.align(same_name, other_name).divergence
+    assert found is not None and found.position == 5 and "ckpt-3.pt" in found.first and "ckpt-6.pt" in found.second
+    # names that existed before the run are never run-random
+    pre = frozenset({".t1"})
+    assert alignment.align(_run(_save(".t1"), preexisting=pre), _run(_save(".t2"), preexisting=pre)).divergence
+
+
+@pytest.mark.needs_strace
+def test_real_strace_injection_kills_at_the_planned_rename(tmp_path):
+    script = ("import os,sys; d=sys.argv[1]\n"
+              "for i in range(3):\n"
+              "    open(f'{d}/t{i}','w').close(); os.rename(f'{d}/t{i}', f'{d}/f{i}')\n")
+    out = tmp_path / "trace"
+    root = tmp_path / "d"
+    root.mkdir()
+    proc = subprocess.run(strace.inject_argv(out, "rename", 2) + [sys.executable, "-c", script, str(root)])
+    assert proc.returncode in (-9, 137)
+    assert sorted(p.name for p in root.iterdir()) == ["f0", "t1"]
+    run = recording.build(strace.parse(out.read_text()), RunSpec(1, 1, 0), ProcessResult(-9, {}, ""), root,
+                          tmp_path / "log")
+    assert (run.killed_op().path, run.killed_op().target) == ("t1", "f1")
