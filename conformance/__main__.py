@@ -16,7 +16,7 @@ DEFAULT_SOAK = "fixtures:CORRECT_TRAINERS"   # adapter specs of the project's co
 
 
 def _replay(args) -> int:
-    from .adapters import resolve
+    from .adapters import AdapterError, resolve
     from .checks import Session, split_id
     from .failures import ConformanceFailure
     from .process import RunSpec
@@ -33,8 +33,12 @@ def _replay(args) -> int:
             print(f"error: --{check.case.name} is required for {check.id}", file=sys.stderr)
             return 2
         case = check.case.parse(text) if text is not None else None
-    adapter = resolve(args.adapter, args.trainer_cmd)
-    session = Session(adapter, tol=args.loss_tol)
+    try:
+        adapter = resolve(args.adapter, args.trainer_cmd)
+    except AdapterError as exc:
+        print(f"error: cannot use the trainer: {exc}", file=sys.stderr)
+        return 2
+    session = Session(adapter, tol=args.loss_tol, process_timeout=args.process_timeout)
     spec = RunSpec(args.total_steps, args.save_every, args.seed)
     try:
         result = check.decide(session, spec, param, case)
@@ -108,7 +112,7 @@ def _soak(args) -> int:
     return 1 if failures else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from .checks import CHECKS, all_check_ids
     from .settings import DEFAULT_TOL
     parser = argparse.ArgumentParser(prog="python -m conformance")
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     for option in dict.fromkeys(c.case for c in CHECKS if c.case is not None):
         rp.add_argument(f"--{option.name}", help=option.help)
     rp.add_argument("--loss-tol", type=float, default=DEFAULT_TOL)
+    rp.add_argument("--process-timeout", type=float, default=None, metavar="SECONDS")
     rep = sub.add_parser("report", help="render a saved report.json (exit 1 if it holds failures)")
     rep.add_argument("path", help="report.json written by --conformance-report")
     rep.add_argument("--format", choices=("markdown", "json"), default="markdown")
@@ -134,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--profile", default="ci")
     so.add_argument("--workers", default="auto", help="pytest-xdist -n value ('0' for none)")
     so.add_argument("--out", help="directory for the runs' reports")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return {"soak": _soak, "replay": _replay, "report": _report}[args.command](args)
 
 

@@ -1,13 +1,17 @@
 """What the suite runs: a trainer command, or a Python adapter object run in a child process.
 
 Both reduce to one argv; a Python adapter `pkg.mod:attr` runs as
-`python -m conformance.child pkg.mod:attr`, so every crash mechanism works on both.
+`python -m conformance.child pkg.mod:attr`, so every crash mechanism works on both. Adapter specs
+import the way `python -m` would: with the current directory (and pytest's rootdir) on sys.path,
+and trainer processes get the same directories on PYTHONPATH.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,14 @@ BUNDLED = "fixtures.reference_trainer:ADAPTER"
 
 # Capabilities an adapter may declare; a check needing one the adapter lacks is skipped naming it.
 KNOWN_CAPABILITIES = frozenset({"legacy_samples", "sharded", "syscall_crash"})
+
+
+class AdapterError(ValueError):
+    """The trainer cannot be named or loaded as given: `cause` says what is wrong, `fix` what to do."""
+
+    def __init__(self, cause: str, fix: str):
+        super().__init__(f"{cause}\n  fix: {fix}")
+        self.cause, self.fix = cause, fix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +51,7 @@ class TrainerAdapter:
     legacy_samples: tuple[LegacySample, ...] = ()
     spec: str = ""          # how to name it again on a command line (for replay)
     version: str = ""       # the trainer's own version, shown in reports
+    pythonpath: tuple[str, ...] = ()   # directories its processes need on PYTHONPATH
 
     def has(self, capability: str) -> bool:
         if capability == "legacy_samples":
@@ -51,49 +64,88 @@ class TrainerAdapter:
             return (f"--trainer-cmd={self.spec[4:]}",)
         return (f"--adapter={self.spec}",)
 
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` with this adapter's import directories first on PYTHONPATH."""
+        if self.pythonpath:
+            rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*self.pythonpath, *rest]))
+        return env
+
+
+def import_dirs(rootdir: str | os.PathLike | None = None) -> tuple[str, ...]:
+    """Where adapter specs are imported from, besides sys.path: the current directory and pytest's
+    rootdir (`python -m` puts the current directory first; plain `pytest` does not)."""
+    dirs = [os.getcwd()] + ([os.fspath(rootdir)] if rootdir else [])
+    return tuple(dict.fromkeys(os.path.realpath(d) for d in dirs))
+
 
 def command_adapter(cmd: str, *, capabilities: frozenset[str] | None = None) -> TrainerAdapter:
     argv = tuple(shlex.split(cmd))
     if not argv:
-        raise ValueError("--trainer-cmd is empty")
+        raise AdapterError("--trainer-cmd is empty", 'give the command that starts your trainer, e.g. '
+                           '--trainer-cmd="python train.py --small"')
+    exe = argv[0]
+    found = shutil.which(exe) if os.sep not in exe else (exe if os.path.isfile(exe) else None)
+    if found is None:
+        raise AdapterError(f"--trainer-cmd {cmd!r}: {exe!r} is not a program on PATH or a file",
+                           "check the spelling, or give the full path of the interpreter or script")
+    if not os.access(found, os.X_OK):
+        raise AdapterError(f"--trainer-cmd {cmd!r}: {found} is not executable",
+                           f"chmod +x {found}, or start it through its interpreter (python {exe})")
     return TrainerAdapter(name=Path(argv[-1]).name if len(argv) == 1 else " ".join(argv[-2:]),
                           argv=argv, capabilities=capabilities or frozenset({"syscall_crash"}),
-                          spec=f"cmd:{cmd}")
+                          spec=f"cmd:{cmd}", pythonpath=import_dirs())
 
 
-def load_object(spec: str) -> Any:
-    """Import `pkg.module:attr` (attr may be dotted)."""
-    if ":" not in spec:
-        raise ValueError(f"adapter {spec!r} must look like 'package.module:attribute'")
+def load_object(spec: str, search: tuple[str, ...] = ()) -> Any:
+    """Import `pkg.module:attr` (attr may be dotted), with `search` directories on sys.path."""
+    if ":" not in spec or not spec.partition(":")[0] or not spec.partition(":")[2]:
+        raise AdapterError(f"adapter {spec!r} is not 'package.module:attribute'",
+                           "name the module and the object in it, e.g. --adapter=mypkg.train:ADAPTER")
+    for directory in reversed(search):
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
     module_name, attr = spec.split(":", 1)
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        where = ", ".join(search) or "sys.path"
+        raise AdapterError(f"adapter {spec!r}: cannot import {module_name!r}: {exc}",
+                           f"run pytest from the directory that holds {module_name.split('.')[0]!r} (searched "
+                           f"{where}), or install that package") from None
     for part in attr.split("."):
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AdapterError(f"adapter {spec!r}: module {module_name!r} has no attribute {part!r}",
+                               f"define {attr} in {module_name}, or fix the name after the colon") from None
     return obj
 
 
-def python_adapter(spec: str) -> TrainerAdapter:
+def python_adapter(spec: str, search: tuple[str, ...] = ()) -> TrainerAdapter:
     """Resolve `pkg.mod:attr`: a ready TrainerAdapter, or an object with `run(ctx)`."""
-    obj = load_object(spec)
+    obj = load_object(spec, search)
     if isinstance(obj, TrainerAdapter):
-        return dataclasses.replace(obj, spec=obj.spec or spec)
+        return dataclasses.replace(obj, spec=obj.spec or spec, pythonpath=obj.pythonpath or search)
     run = getattr(obj, "run", None)
     if not callable(run):
-        raise TypeError(f"adapter {spec!r} is neither a TrainerAdapter nor an object with run(ctx)")
+        raise AdapterError(f"adapter {spec!r} is neither a TrainerAdapter nor an object with run(ctx)",
+                           "give it a run(ctx) method (see the README's adapter example)")
     caps = frozenset(getattr(obj, "capabilities", frozenset({"syscall_crash"})))
     unknown = caps - KNOWN_CAPABILITIES
     if unknown:
-        raise ValueError(f"adapter {spec!r} declares unknown capabilities {sorted(unknown)}; "
-                         f"known: {sorted(KNOWN_CAPABILITIES)}")
+        raise AdapterError(f"adapter {spec!r} declares unknown capabilities {sorted(unknown)}",
+                           f"use only {sorted(KNOWN_CAPABILITIES)}")
     samples = tuple(getattr(obj, "legacy_samples", ()) or ())
     return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.child", spec),
                           capabilities=caps, legacy_samples=samples, spec=spec,
-                          version=str(getattr(obj, "version", "") or ""))
+                          version=str(getattr(obj, "version", "") or ""), pythonpath=search)
 
 
-def resolve(adapter: str | None, trainer_cmd: str | None) -> TrainerAdapter:
+def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.PathLike | None = None
+            ) -> TrainerAdapter:
     if adapter and trainer_cmd:
-        raise ValueError("give either --adapter or --trainer-cmd, not both")
+        raise AdapterError("both an adapter and a trainer command are given", "keep one of --adapter and --trainer-cmd")
     if trainer_cmd:
         return command_adapter(trainer_cmd)
-    return python_adapter(adapter or BUNDLED)
+    return python_adapter(adapter or BUNDLED, import_dirs(rootdir))

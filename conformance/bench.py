@@ -181,15 +181,20 @@ def format_markdown(r: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m conformance.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeats", type=int, default=7, help="warm trials and bare imports (median)")
     parser.add_argument("--fresh-repeats", type=int, default=3, help="fresh-interpreter trials (median)")
     parser.add_argument("--no-ci", action="store_true", help="skip the ci-profile run (it takes a minute)")
-    parser.add_argument("--update-readme", metavar="README", help=f"replace the section after {_MARKER}")
-    args = parser.parse_args(argv)
+    parser.add_argument("--update-readme", metavar="PAGE", help=f"replace the section after {_MARKER} in this "
+                        "Markdown page (docs/benchmarks.md)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     result = run(args.repeats, args.fresh_repeats, not args.no_ci)
     command = "python -m conformance.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.update_readme:

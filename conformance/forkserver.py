@@ -8,7 +8,8 @@ pools and no device state. Each child blocks on a pipe until released, so strace
 as on a fresh interpreter, and the suite's tests compare both runners on the same cases.
 
 Protocol (JSON lines on the server's stdin/stdout; several children may run at once):
-    -> {"op": "fork", "id": I, "module": M, "argv": [...], "env": {...}, "stderr": PATH}
+    -> {"op": "fork", "id": I, "module": M, "argv": [...], "env": {...}, "stderr": PATH[, "then": {...}]}
+       ("then": run the module a second time in the same child, with that environment)
     <- {"id": I, "pid": PID}
     -> {"op": "go", "id": I}        (or {"op": "abort", "id": I}: kill it unreleased)
     <- {"id": I, "status": RC}      (RC < 0: killed by signal -RC, as subprocess reports it)
@@ -39,20 +40,10 @@ def warm_module(adapter: TrainerAdapter) -> tuple[str, list[str]] | None:
 
 
 # -- server side ----------------------------------------------------------------------------------
-def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int) -> None:
-    os.read(go_fd, 1)
-    os.close(go_fd)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(err, 2)
+def _run_module(module: str, argv: list[str], env: dict[str, str]) -> int:
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [module] + argv
-    import warnings
-    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
-                            category=RuntimeWarning)
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -64,6 +55,24 @@ def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
         import traceback
         traceback.print_exc()
         code = 1
+    return code
+
+
+def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int,
+           then_env: dict[str, str] | None = None) -> None:
+    os.read(go_fd, 1)
+    os.close(go_fd)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(err, 2)
+    import warnings
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                            category=RuntimeWarning)
+    code = _run_module(module, argv, env)
+    if code == 0 and then_env is not None:   # a second run in the same process (diagnosis)
+        code = _run_module(module, argv, then_env)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -117,7 +126,7 @@ def serve(preload: list[str]) -> None:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 for fd in (w, wake_r, wake_w, *(gw for _, gw in waiting.values())):
                     os.close(fd)
-                _child(req["module"], req["argv"], req["env"], req["stderr"], r)
+                _child(req["module"], req["argv"], req["env"], req["stderr"], r, req.get("then"))
             os.close(r)
             running[pid] = rid
             waiting[rid] = (pid, w)
@@ -174,8 +183,8 @@ def serve(preload: list[str]) -> None:
 class ForkServer:
     """Client of one server process; `run` may be called from several threads at once."""
 
-    def __init__(self, preload: list[str]):
-        env = dict(os.environ)
+    def __init__(self, preload: list[str], env: dict[str, str] | None = None):
+        env = dict(env if env is not None else os.environ)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         self.proc = subprocess.Popen([sys.executable, "-m", "conformance.forkserver", *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -210,8 +219,11 @@ class ForkServer:
         return msg
 
     def run(self, module: str, argv: list[str], env: dict[str, str], stderr_path: Path,
-            attach=None, timeout: float = 300) -> int:
-        """Fork a child; `attach(pid)` runs before it is released (e.g. starts strace)."""
+            attach=None, watch=None, poll: float = 0.05, then_env: dict[str, str] | None = None
+            ) -> tuple[int, str | None]:
+        """Fork a child; `attach(pid)` runs before it is released (e.g. starts strace). While it
+        runs, `watch()` is asked every `poll` seconds whether to stop it; returns (exit status,
+        why it was stopped or None)."""
         rid = next(self._ids)
         q: "queue.Queue[dict]" = queue.Queue()
         self._replies[rid] = q
@@ -219,7 +231,7 @@ class ForkServer:
             if self._dead:   # registered after the reader's last word: no reply will ever come
                 raise RuntimeError("fork server died")
             self._send({"op": "fork", "id": rid, "module": module, "argv": argv, "env": env,
-                        "stderr": str(stderr_path)})
+                        "stderr": str(stderr_path), **({"then": then_env} if then_env is not None else {})})
             pid = self._get(q)["pid"]
             tracer = None
             try:
@@ -229,17 +241,21 @@ class ForkServer:
                 self._get(q)
                 raise
             self._send({"op": "go", "id": rid})
-            try:
-                status = self._get(q, timeout)["status"]
-            except queue.Empty:
-                _kill(pid)
-                status = self._get(q)["status"]
+            stopped = None
+            while True:
+                try:
+                    status = self._get(q, poll)["status"]
+                    break
+                except queue.Empty:
+                    stopped = stopped or (watch() if watch else None)
+                    if stopped:
+                        _kill(pid)
             if tracer is not None:
                 try:
                     tracer.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     tracer.kill()
-            return status
+            return status, stopped
         finally:
             self._replies.pop(rid, None)
 

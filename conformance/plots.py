@@ -5,6 +5,7 @@ and the failure message says why.
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -32,15 +33,28 @@ def plot_resume(path: Path, *, title: str, baseline: dict[int, float],
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     try:
+        finite = [v for curve in [baseline, *(losses for _, losses in resumed)] for v in curve.values()
+                  if math.isfinite(v)]
+        low, high = (min(finite), max(finite)) if finite else (0.0, 1.0)
+        pad = (high - low) * 0.08 or 1.0
+        top = high + pad     # where non-finite losses are drawn, labelled, so a blow-up is visible
         steps = sorted(baseline)
-        ax.plot(steps, [baseline[s] for s in steps], "-o", color="black", lw=2, ms=4,
-                label="uninterrupted baseline", zorder=3)
+        ax.plot(steps, [baseline[s] if math.isfinite(baseline[s]) else float("nan") for s in steps], "-o",
+                color="black", lw=2, ms=4, label="uninterrupted baseline", zorder=3)
         markers = "s^vD<>"
         for i, (label, losses) in enumerate(resumed):
             xs = sorted(losses)
-            if xs:
-                ax.plot(xs, [losses[s] for s in xs], "--" + markers[i % len(markers)], ms=5, lw=1.2,
-                        label=label, zorder=4)
+            if not xs:
+                continue
+            bad = [s for s in xs if not math.isfinite(losses[s])]
+            line, = ax.plot(xs, [losses[s] if s not in bad else float("nan") for s in xs],
+                            "--" + markers[i % len(markers)], ms=5, lw=1.2,
+                            label=label + (f" ({len(bad)} non-finite)" if bad else ""), zorder=4)
+            for s in bad:
+                ax.plot([s], [top], marker="X", ms=10, color=line.get_color(), zorder=5, clip_on=False)
+                ax.annotate(str(losses[s]), (s, top), textcoords="offset points", xytext=(0, 6), ha="center",
+                            fontsize=8, color=line.get_color())
+        ax.set_ylim(low - pad, top + pad * 1.5)
         for label, x in crashes:
             ax.axvline(x, color="tab:red", ls=":", lw=1.5)
             ax.annotate(f"kill at {label}", (x, 0.0), xycoords=("data", "axes fraction"), rotation=90,

@@ -17,19 +17,22 @@ import pytest
 from . import evidence, expected
 from . import report as reports
 from . import settings as _settings  # noqa: F401  (registers the Hypothesis profiles)
-from .adapters import TrainerAdapter, resolve
+from .adapters import AdapterError, TrainerAdapter, resolve
 from .checks import Session
 from .runners import SubprocessRunner, WarmRunner
 from .settings import DEFAULT_TOL
+from .usage import describe_setup, unknown_ini_keys
 
 OPTIONS = {   # name -> (command-line flag, ini key)
     "adapter": ("--adapter", "conformance_adapter"),
     "trainer_cmd": ("--trainer-cmd", "conformance_trainer_cmd"),
     "runner": ("--runner", "conformance_runner"),
     "loss_tol": ("--loss-tol", "conformance_loss_tol"),
+    "process_timeout": ("--process-timeout", "conformance_process_timeout"),
     "report": ("--conformance-report", "conformance_report"),
     "expected_failures": ("--expected-failures", "conformance_expected_failures"),
 }
+USAGE_PREFIX = "conformance usage error: "
 
 
 def pytest_addoption(parser):
@@ -43,6 +46,9 @@ def pytest_addoption(parser):
                          "(default); fresh: a new interpreter per process")
     group.addoption("--loss-tol", type=float, default=None,
                     help=f"max absolute loss difference per step (default {DEFAULT_TOL:g})")
+    group.addoption("--process-timeout", type=float, default=None, metavar="SECONDS",
+                    help="kill a trainer process after this long (default: 10x the baseline run, at "
+                         "least 60 s; 600 s for the first run); half of it without a new step also kills")
     group.addoption("--conformance-report", default=None, metavar="DIR",
                     help="write DIR/report.json (every check, its outcome and the numbers behind it), "
                          "DIR/summary.md (for a pull request) and DIR/plots/*.png")
@@ -69,27 +75,20 @@ def conformance_session_for(request, tmp_path_factory):
     cache: dict = {}
     tol = option(config, "loss_tol")
     tol = float(tol) if tol is not None else DEFAULT_TOL
+    timeout = option(config, "process_timeout")
+    timeout = float(timeout) if timeout is not None else None
 
     def get(adapter=None, trainer_cmd=None) -> Session:
         if adapter is None and trainer_cmd is None:
             adapter, trainer_cmd = option(config, "adapter"), option(config, "trainer_cmd")
         key = (repr(adapter), trainer_cmd)
         if key not in cache:
-            if isinstance(adapter, TrainerAdapter):
-                resolved = adapter
-            elif adapter is not None and not isinstance(adapter, str):
-                raise pytest.UsageError(f"adapter class attribute must be a 'pkg.mod:attr' string or "
-                                        f"a TrainerAdapter, got {adapter!r}")
-            else:
-                try:
-                    resolved = resolve(adapter, trainer_cmd)
-                except (ImportError, AttributeError, ValueError, TypeError) as exc:
-                    raise pytest.UsageError(f"cannot load the trainer adapter: {exc}") from exc
+            resolved = _resolve(config, adapter, trainer_cmd)
             runner = SubprocessRunner() if option(config, "runner") == "fresh" else WarmRunner()
             report_dir = option(config, "report")
             plot_dir = Path(report_dir).resolve() / "plots" if report_dir else None
             cache[key] = Session(resolved, tmp_path_factory.mktemp("conformance"), runner=runner, tol=tol,
-                                 plot_dir=plot_dir)
+                                 plot_dir=plot_dir, process_timeout=timeout)
         return cache[key]
 
     yield get
@@ -97,14 +96,31 @@ def conformance_session_for(request, tmp_path_factory):
         session.close()
 
 
+def _resolve(config, adapter, trainer_cmd) -> TrainerAdapter:
+    """The trainer named by a class attribute or the options; AdapterError if it cannot be loaded."""
+    if isinstance(adapter, TrainerAdapter):
+        return adapter
+    if adapter is not None and not isinstance(adapter, str):
+        raise AdapterError(f"the adapter class attribute is {adapter!r}",
+                           "set it to a 'package.module:attribute' string or a TrainerAdapter")
+    return resolve(adapter, trainer_cmd, rootdir=config.rootpath)
+
+
+def _suite_requested(config) -> bool:
+    """Whether this run is about the conformance suite (so the trainer is named up front): an
+    option or ini key names a trainer, or the suite's own test module is collected."""
+    if any(option(config, name) for name in ("adapter", "trainer_cmd")):
+        return True
+    args = [str(a) for a in config.args]
+    return (config.getoption("pyargs", False) and any(a.split("::")[0] == "conformance" for a in args)) \
+        or any("test_conformance.py" in a for a in args)
+
+
 # -- collection: subclasses, expected failures ----------------------------------------------------
 def _conformance_class(item):
     from .suite import ResumeConformance
     cls = getattr(item, "cls", None)
     return cls if cls is not None and issubclass(cls, ResumeConformance) else None
-
-
-USAGE_PREFIX = "conformance usage error: "
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -116,6 +132,11 @@ def pytest_pycollect_makeitem(collector, name, obj):
         from .suite import ResumeConformance
         if issubclass(obj, ResumeConformance):
             problem = obj.conformance_problem()
+            if problem is None and not obj.configured_by_options:
+                try:
+                    _resolve(collector.config, obj.adapter, obj.trainer_cmd)
+                except AdapterError as exc:
+                    problem = f"{obj.__module__}.{obj.__qualname__}: {exc}"
             if problem:
                 raise pytest.Collector.CollectError(USAGE_PREFIX + problem)
 
@@ -132,6 +153,17 @@ class UsageErrors:
 
 
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):   # the controller (or a run without xdist): check once
+        problem = unknown_ini_keys(config, {ini for _, ini in OPTIONS.values()})
+        if problem:
+            raise pytest.UsageError(problem)
+        config._conformance_adapter = None
+        if _suite_requested(config):
+            try:
+                adapter = _resolve(config, option(config, "adapter"), option(config, "trainer_cmd"))
+            except AdapterError as exc:
+                raise pytest.UsageError(f"cannot use the trainer: {exc}") from None
+            config._conformance_adapter = adapter
     path = option(config, "expected_failures")
     entries = []
     if path:
@@ -143,6 +175,21 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput"):   # the controller (or a run without xdist)
         config.pluginmanager.register(ReportCollector(config), "conformance-report")
         config.pluginmanager.register(UsageErrors(), "conformance-usage-errors")
+
+
+def _header(config) -> str:
+    """The trainer, profile, runner and strace of this run (after every plugin has configured)."""
+    adapter = getattr(config, "_conformance_adapter", None)
+    if adapter is None:
+        return ""
+    if getattr(config, "_conformance_header", None) is None:
+        config._conformance_header = describe_setup(adapter, option(config, "runner"))
+    return config._conformance_header
+
+
+def pytest_report_header(config):
+    header = _header(config)
+    return [header] if header else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -177,7 +224,8 @@ def pytest_runtest_makereport(item, call):
         message = ""
         if call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
             exc = call.excinfo.value
-            message = str(exc) if isinstance(exc, AssertionError) else call.excinfo.exconly()
+            message = str(exc) if isinstance(exc, AssertionError) else \
+                exc.msg if isinstance(exc, pytest.fail.Exception) else call.excinfo.exconly()
         payload = {"check": _check_id(item), "evidence": [e.to_json() for e in evidence.take()], "message": message,
                    "adapter": None if adapter is None else
                    {"name": adapter.name, "spec": adapter.spec, "version": adapter.version,
@@ -224,12 +272,17 @@ class ReportCollector:
             self.cases.append(case)
 
     def pytest_terminal_summary(self, terminalreporter):
+        if not self.cases:
+            return
+        tested = dict.fromkeys(f"{c.adapter.name} ({c.adapter.spec})" for c in self.cases if c.adapter)
+        if tested:
+            terminalreporter.write_line(f"conformance: tested {', '.join(tested)}")
         directory = option(self.config, "report")
-        if not directory or not self.cases:
+        if not directory:
             return
         adapter = next((c.adapter for c in self.cases if c.adapter), None)
         profile = self.config.getoption("hypothesis_profile", None)
-        built = reports.environment(adapter, profile, self.cases)
+        built = reports.environment(adapter, profile, self.cases, _header(self.config))
         json_path, md_path = reports.write_report(built, Path(directory).resolve())
         terminalreporter.write_line(f"conformance report: {json_path} and {md_path}")
 

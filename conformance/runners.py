@@ -6,8 +6,11 @@ per process; `WarmRunner` forks them from a process that imported torch and the 
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -18,11 +21,80 @@ from . import recording, strace
 from .adapters import TrainerAdapter
 from .process import ProcessResult, RunSpec, read_losses
 
-PROCESS_TIMEOUT_S = float(os.environ.get("CONFORMANCE_PROCESS_TIMEOUT", "300"))
+POLL_S = 0.05
+
+
+class ProcessOverran(Exception):
+    """A trainer process broke a time or size limit and was killed; the message says which."""
+
+    def __init__(self, problem: str, result: ProcessResult):
+        super().__init__(problem)
+        self.problem, self.result = problem, result
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """How long one trainer process may run, how long it may go without logging a step, and how
+    large its strace output may grow. Derived from the baseline's duration (see checks/session.py)."""
+
+    total_s: float = 600.0
+    stall_s: float = 120.0
+    trace_bytes: int = int(os.environ.get("CONFORMANCE_TRACE_CAP", str(4 << 30)))
+
+
+class Watchdog:
+    """Reads the loss log as it grows and says when a process must be stopped, and why."""
+
+    def __init__(self, limits: Limits, spec: RunSpec, loss_log: Path, trace_file: Path | None):
+        self.limits, self.spec, self.loss_log, self.trace_file = limits, spec, loss_log, trace_file
+        self.start = self.progress_at = time.monotonic()
+        self.offset, self.last_step, self.partial = 0, 0, b""
+
+    def _read_steps(self) -> None:
+        try:
+            with open(self.loss_log, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()
+        for line in lines:
+            try:
+                step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if step > self.last_step or self.last_step == 0:
+                self.progress_at = time.monotonic()
+            self.last_step = max(self.last_step, step)
+
+    def problem(self) -> str | None:
+        self._read_steps()
+        now, total = time.monotonic(), self.spec.total_steps
+        if self.last_step > total:
+            return f"ran past CONFORMANCE_TOTAL_STEPS (logged step {self.last_step} of {total})"
+        if now - self.start > self.limits.total_s:
+            return (f"did not finish {total} steps in {self.limits.total_s:.0f} s "
+                    f"({f'logged up to step {self.last_step}' if self.last_step else 'logged no step'})")
+        if now - self.progress_at > self.limits.stall_s:
+            after = f"after step {self.last_step}" if self.last_step else "before logging any step"
+            return f"made no progress for {self.limits.stall_s:.0f} s {after}"
+        if self.trace_file is not None:
+            try:
+                size = self.trace_file.stat().st_size
+            except OSError:
+                size = 0
+            if size > self.limits.trace_bytes:
+                return f"its strace output grew past {self.limits.trace_bytes} bytes (CONFORMANCE_TRACE_CAP)"
+        return None
 
 
 class Runner(Protocol):
-    """Runs one trainer process to its end and reports what it left."""
+    """Runs one trainer process to its end and reports what it left; raises ProcessOverran if
+    the process had to be stopped."""
+
+    limits: Limits
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
                     prefix: list[str] | None = None, trace_file: Path | None = None) -> ProcessResult: ...
@@ -34,21 +106,41 @@ def _trace_text(trace_file: Path | None) -> str:
     return trace_file.read_text(errors="replace") if trace_file and trace_file.exists() else ""
 
 
+def _finish(rc: int, err: str, loss_log: Path, trace_file: Path | None, start: float, overrun: str | None
+            ) -> ProcessResult:
+    result = ProcessResult(rc, read_losses(loss_log), err, "" if overrun else _trace_text(trace_file),
+                           seconds=time.monotonic() - start, overrun=overrun or "")
+    if overrun:
+        raise ProcessOverran(overrun, result)
+    return result
+
+
 class SubprocessRunner:
     """One fresh interpreter per trainer process."""
+
+    def __init__(self, limits: Limits | None = None):
+        self.limits = limits or Limits()
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
                     prefix: list[str] | None = None, trace_file: Path | None = None) -> ProcessResult:
         argv = list(prefix or []) + list(adapter.argv)
         start = time.monotonic()
-        try:
-            proc = subprocess.run(argv, env=spec.env(ckpt_dir, loss_log), capture_output=True,
-                                  text=True, timeout=PROCESS_TIMEOUT_S, stdin=subprocess.DEVNULL)
-            rc, err = proc.returncode, proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, err = -1, f"timed out after {PROCESS_TIMEOUT_S:.0f}s\n{exc.stderr or ''}"
-        return ProcessResult(rc, read_losses(loss_log), err, _trace_text(trace_file),
-                             seconds=time.monotonic() - start)
+        watch = Watchdog(self.limits, spec, loss_log, trace_file)
+        err_path = loss_log.with_name(loss_log.name + ".stderr")
+        with open(err_path, "w+b") as err_file:
+            proc = subprocess.Popen(argv, env=adapter.environment(spec.env(ckpt_dir, loss_log)), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+            overrun = None
+            while proc.poll() is None:
+                overrun = watch.problem()
+                if overrun:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    break
+                time.sleep(POLL_S)
+            err_file.seek(0)
+            err = err_file.read().decode(errors="replace")
+        return _finish(proc.returncode, err, loss_log, trace_file, start, overrun)
 
     def close(self) -> None:
         pass
@@ -59,33 +151,54 @@ class WarmRunner:
     module once (see forkserver.py). Trainers that are not `python -m module` with this
     interpreter fall back to a fresh interpreter."""
 
-    def __init__(self):
+    def __init__(self, limits: Limits | None = None):
         self._servers: dict = {}
         self._fallback = SubprocessRunner()
         self._lock = threading.Lock()
+        self.limits = limits or Limits()
 
-    def _server(self, module: str):
+    def _server(self, adapter: TrainerAdapter, module: str):
         from .forkserver import ForkServer
         with self._lock:
-            if module not in self._servers:
-                self._servers[module] = ForkServer([module])
-            return self._servers[module]
+            key = (module, adapter.pythonpath)
+            if key not in self._servers:
+                self._servers[key] = ForkServer([module], env=adapter.environment(dict(os.environ)))
+            return self._servers[key]
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
                     prefix: list[str] | None = None, trace_file: Path | None = None) -> ProcessResult:
         from .forkserver import warm_module
         found = warm_module(adapter)
         if found is None:
+            self._fallback.limits = self.limits
             return self._fallback.run_process(adapter, spec, ckpt_dir, loss_log, prefix=prefix, trace_file=trace_file)
         module, argv = found
         stderr_path = loss_log.with_name(loss_log.name + ".stderr")
         attach = (lambda pid: attach_strace(prefix, pid)) if prefix else None
         start = time.monotonic()
-        rc = self._server(module).run(module, argv, spec.env(ckpt_dir, loss_log), stderr_path, attach,
-                                      timeout=PROCESS_TIMEOUT_S)
+        watch = Watchdog(self.limits, spec, loss_log, trace_file)
+        rc, overrun = self._server(adapter, module).run(module, argv, adapter.environment(spec.env(ckpt_dir, loss_log)),
+                                                        stderr_path, attach, watch=watch.problem, poll=POLL_S)
         err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-        return ProcessResult(rc, read_losses(loss_log), err, _trace_text(trace_file),
-                             seconds=time.monotonic() - start)
+        return _finish(rc, err, loss_log, trace_file, start, overrun)
+
+    def run_twice(self, adapter: TrainerAdapter, first: RunSpec, second: RunSpec, ckpt_dir: Path,
+                  first_log: Path, second_log: Path) -> ProcessResult | None:
+        """Run the trainer with `first`, then again with `second` in the same process (only for
+        trainers the fork server runs); the second run's result, or None if not possible."""
+        from .forkserver import warm_module
+        found = warm_module(adapter)
+        if found is None:
+            return None
+        module, argv = found
+        stderr_path = second_log.with_name(second_log.name + ".stderr")
+        start = time.monotonic()
+        watch = Watchdog(dataclasses.replace(self.limits, stall_s=self.limits.total_s), second, second_log, None)
+        rc, overrun = self._server(adapter, module).run(
+            module, argv, adapter.environment(first.env(ckpt_dir, first_log)), stderr_path, watch=watch.problem,
+            poll=POLL_S, then_env=adapter.environment(second.env(ckpt_dir, second_log)))
+        err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
+        return _finish(rc, err, second_log, None, start, overrun)
 
     def close(self) -> None:
         for server in self._servers.values():

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from .checks import CHECKS, Check, Session, skip_reason
 from .crash import format_schedule
+from .failures import ConformanceFailure
 from .process import RunSpec
-from .scenario import CrashPointMissing
+from .scenario import CrashNotLanded, CrashPointMissing
 from .settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK, TOTAL_STEPS
 
 ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd")
@@ -73,7 +74,7 @@ def _spec(save_every: int = CADENCES[0]) -> RunSpec:
 
 
 def _make_test(check: Check):
-    def run(session: Session, param: str | None, data=None) -> None:
+    def run(request, session: Session, param: str | None, data=None) -> None:
         spec = _spec(data.draw(st.sampled_from(CADENCES), label="save_every") if check.draw else CADENCES[0])
         reason = skip_reason(check, session, spec)
         if reason:
@@ -82,30 +83,37 @@ def _make_test(check: Check):
         if check.draw is not None:
             case = data.draw(check.draw(session.baseline(spec), param), label="schedule")
             note(f"schedule {format_schedule(case)}")
+        report = None
         try:
             check.decide(session, spec, param, case)
         except CrashPointMissing as exc:
             note(str(exc))
             reject()   # a later point that its process never reaches: draw another schedule
+        except (ConformanceFailure, CrashNotLanded) as exc:
+            if request.config.getoption("verbose") >= 2:
+                raise   # -vv: the suite's own frames too
+            report = str(exc)
+        if report is not None:   # outside the except block: no "during handling" chain, no second copy
+            pytest.fail(report, pytrace=False)   # the report is the message; the suite's source is noise
 
     if check.draw is None and check.params:
-        def test(self, session, param):
-            run(session, param)
+        def test(self, request, session, param):
+            run(request, session, param)
     elif check.draw is None:
-        def test(self, session):
-            run(session, None)
+        def test(self, request, session):
+            run(request, session, None)
     elif check.params:
         @_profile_seed
         @settings(**SLOW_OK)
         @given(data=st.data())
-        def test(self, session, param, data):
-            run(session, param, data)
+        def test(self, request, session, param, data):
+            run(request, session, param, data)
     else:
         @_profile_seed
         @settings(**SLOW_OK)
         @given(data=st.data())
-        def test(self, session, data):
-            run(session, None, data)
+        def test(self, request, session, data):
+            run(request, session, None, data)
     test.__name__ = f"test_{check.id}"
     test.__qualname__ = f"ResumeConformance.test_{check.id}"
     test.__doc__ = check.summary

@@ -13,7 +13,7 @@ import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 # ".<final name>.tmp-<pid>-<16 hex>": the pid lets cleanup leave a live writer's file alone.
 # ASCII digits only ("\d" would also match other scripts' digits, which int() accepts), and

@@ -18,7 +18,7 @@ LAYERS = [
     {"runners", "forkserver"},
     {"scenario", "crash_states", "strategies"},
     {"checks"},
-    {"expected", "report", "suite", "plugin", "__main__", "bench", "test_conformance", "__init__"},
+    {"expected", "report", "suite", "plugin", "__main__", "bench", "test_conformance", "__init__", "usage"},
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

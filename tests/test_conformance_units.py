@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.adapters import command_adapter, python_adapter, resolve
+from conformance.adapters import AdapterError, command_adapter, python_adapter, resolve
 from conformance.corrupt import bitflip, delete, plant_malicious_pickle, truncate
 from conformance.crash import CrashPoint, format_schedule, parse_schedule
 from conformance.failures import fail, loss_mismatches, replay_command
@@ -61,9 +61,10 @@ def test_replay_command_quotes_trainer_commands():
 def test_python_adapter_must_have_run(tmp_path, monkeypatch):
     (tmp_path / "bad_adapter_mod.py").write_text("ADAPTER = object()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(TypeError, match="run"):
+    with pytest.raises(AdapterError, match="neither a TrainerAdapter nor an object with run") as info:
         python_adapter("bad_adapter_mod:ADAPTER")
-    with pytest.raises(ValueError, match="package.module:attribute"):
+    assert info.value.fix.startswith("give it a run(ctx) method")
+    with pytest.raises(AdapterError, match="package.module:attribute"):
         python_adapter("no_colon")
 
 

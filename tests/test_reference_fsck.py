@@ -64,9 +64,24 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert "usage" in err and "not a directory" in err
 
 
-def test_empty_directory_exits_0(tmp_path, capsys):
-    assert cli_main(["fsck", str(tmp_path)]) == 0
-    assert "no checkpoints" in capsys.readouterr().err
+def test_nothing_recognizable_exits_3_saying_what_is_there(tmp_path, capsys):
+    assert cli_main(["fsck", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert "no checkpoints of this library found" in err and "it is empty" in err
+    (tmp_path / "last.ckpt").write_bytes(b"another library's file")
+    (tmp_path / "checkpoint-500").mkdir()
+    assert cli_main(["fsck", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert "2 entries this library does not recognize: checkpoint-500, last.ckpt" in err
+
+
+@pytest.mark.parametrize("args", [["--help"], ["fsck", "--help"]])
+def test_help_works_for_the_tool_and_every_command(args):
+    proc = _module(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "fsck" in proc.stdout and "usage:" in proc.stdout
+    if args[0] == "fsck":
+        assert "3 no checkpoint" in proc.stdout
 
 
 def _module(*args: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from .. import strategies
 from ..corrupt import KINDS
 from ..crash import Schedule, format_schedule, parse_schedule
+from ..failures import ConformanceFailure, stderr_tail
 from ..process import RunSpec
+from ..runners import ProcessOverran
 from . import damage, determinism, legacy, schedules, states, untrusted
 from .session import Session
 
@@ -47,7 +49,14 @@ class Check:
 
     def decide(self, session: Session, spec: RunSpec, param: str | None = None, case: object = None) -> object:
         """Run the check once; raises ConformanceFailure with the report if it fails."""
-        return self.run(session, f"{self.id}[{param}]" if param else self.id, spec, param, case)
+        check_id = f"{self.id}[{param}]" if param else self.id
+        try:
+            return self.run(session, check_id, spec, param, case)
+        except ProcessOverran as exc:
+            raise session.fail(check_id, spec, f"a trainer process {exc.problem}; it was killed",
+                               details="  stderr:\n" + stderr_tail(exc.result.stderr),
+                               case=({self.case.name: case_text(self, case)} if self.case and case is not None
+                                     else None)) from None
 
 
 _SCHEDULE = CaseOption("schedule", "crash schedule, e.g. fs:9,step:4", parse_schedule, required=True)
@@ -128,6 +137,11 @@ def skip_reason(check: Check, session: Session, spec: RunSpec) -> str | None:
                 return problem
         elif not session.adapter.has(need):
             return f"adapter lacks capability '{need}'"
+    if check.id != "determinism_precondition":
+        try:
+            session.baseline(spec)
+        except ConformanceFailure:
+            return "the trainer's uninterrupted run failed (see determinism_precondition)"
     if check.precondition in ("losses", "operations"):
         found = session.determinism(spec)
         if found.losses_problem:

@@ -11,6 +11,7 @@ from ..failures import format_mismatches, loss_mismatches, max_abs_diff, stderr_
 from ..process import RunSpec
 from ..scenario import TrialOutcome, run_schedule
 from .common import plot_mismatch
+from .diagnosis import diagnose
 from .session import Session
 
 
@@ -77,18 +78,26 @@ def resume_matches_baseline(session: Session, check: str, spec: RunSpec, _param,
                     f"the resumed run exited {outcome.final.returncode} after a plain kill (an in-place "
                     "or torn write looks like this from outside)",
                     describe_crashes(outcome) + "\n  stderr of the resumed run:\n" + stderr_tail(outcome.final.stderr))
-    for who, losses in outcome.all_losses():
+    for i, (who, losses) in enumerate(outcome.all_losses()):
         rows = loss_mismatches(base.losses, losses, session.tol)
         if rows:
             raise _fail(session, check, outcome,
                         f"{who}: loss differs from the uninterrupted run at {len(rows)} step(s) "
                         f"(tolerance {session.tol:g})",
                         describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)
+                        + "\n" + _likely_cause(session, spec, outcome.crashed[i].resumed_from, losses)
                         + "\n" + _plot_trial(session, check, outcome))
     last = max([s for _, l in outcome.all_losses() for s in l] + [outcome.final_resumed_from])
     if last < spec.total_steps:
         raise _fail(session, check, outcome, f"the resumed run stopped at step {last}, not {spec.total_steps}",
                     describe_crashes(outcome))
+
+
+def _likely_cause(session: Session, spec: RunSpec, resumed_from: int, losses: dict[int, float]) -> str:
+    try:
+        return diagnose(session, spec, resumed_from, losses).render()
+    except Exception as exc:   # an experiment that breaks must not hide the verdict
+        return f"  likely cause: cannot tell (the experiments failed: {exc!r})"
 
 
 def no_lost_work(session: Session, check: str, spec: RunSpec, _where, schedule: Schedule) -> None:

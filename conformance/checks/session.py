@@ -15,10 +15,10 @@ from pathlib import Path
 from .. import alignment, evidence
 from ..adapters import TrainerAdapter
 from ..crash import CrashPoint
-from ..failures import fail, format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
+from ..failures import ConformanceFailure, fail, format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
 from ..process import RunSpec
 from ..recording import RecordedRun
-from ..runners import Runner, WarmRunner, traced_run
+from ..runners import Limits, ProcessOverran, Runner, WarmRunner, traced_run
 from ..scenario import CrashNotLanded, CrashPointMissing, run_schedule
 from ..settings import DEFAULT_TOL
 from ..strace import strace_problem
@@ -40,7 +40,7 @@ class Session:
     """One trainer under test, with a per-session cache of the runs every check needs."""
 
     def __init__(self, adapter: TrainerAdapter, workdir: Path | None = None, runner: Runner | None = None,
-                 tol: float = DEFAULT_TOL, plot_dir: Path | None = None):
+                 tol: float = DEFAULT_TOL, plot_dir: Path | None = None, process_timeout: float | None = None):
         self.adapter = adapter
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="conformance-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -48,14 +48,33 @@ class Session:
         self.plot_dir = Path(plot_dir) if plot_dir else self.workdir / "plots"
         self.runner: Runner = runner or WarmRunner()
         self.tol = tol
+        self.process_timeout = process_timeout
+        # Until a baseline has run, nothing is known of the trainer's speed: generous limits.
+        self.runner.limits = Limits(total_s=process_timeout or 600.0,
+                                    stall_s=process_timeout / 2 if process_timeout else 120.0)
         self._cache: dict[tuple, object] = {}
         self._lock = threading.RLock()   # crash states ask from several threads: compute each value once
 
     def _cached(self, key: tuple, compute):
+        """compute() once per key; a failure is kept and raised again (a trainer that hangs costs
+        one time limit, not one per check)."""
         with self._lock:
             if key not in self._cache:
-                self._cache[key] = compute()
-            return self._cache[key]
+                try:
+                    self._cache[key] = ("ok", compute())
+                except (ConformanceFailure, ProcessOverran) as exc:
+                    self._cache[key] = ("raise", exc)
+            kind, value = self._cache[key]
+            if kind == "raise":
+                raise value
+            return value
+
+    def limits_after(self, baseline: RecordedRun) -> Limits:
+        """Per-process limits once a baseline's duration is known: ten times it (at least 60 s) in
+        all, and five times it (at least 30 s) without logging a step; --process-timeout caps both."""
+        d = baseline.result.seconds
+        total = self.process_timeout or max(60.0, 10 * d)
+        return Limits(total_s=total, stall_s=min(total, max(30.0, 5 * d)))
 
     def close(self) -> None:
         self.runner.close()
@@ -86,8 +105,15 @@ class Session:
         return self._cached(("second", spec), lambda: self._uninterrupted(spec, "second", data=False))
 
     def _uninterrupted(self, spec: RunSpec, tag: str, *, data: bool) -> RecordedRun:
-        run = traced_run(self.runner, self.adapter, spec, self.case_dir(tag), tag=tag, data=data,
-                         trace=self.trace_problem() is None)
+        try:
+            run = traced_run(self.runner, self.adapter, spec, self.case_dir(tag), tag=tag, data=data,
+                             trace=self.trace_problem() is None)
+        except ProcessOverran as exc:
+            what = "the first uninterrupted run" if tag == "baseline" else "an uninterrupted run"
+            raise self.fail("determinism_precondition", spec, f"{what}: the trainer {exc.problem}",
+                            details="  stderr:\n" + stderr_tail(exc.result.stderr)) from None
+        if tag == "baseline":
+            self.runner.limits = self.limits_after(run)
         if run.result.returncode != 0:
             raise self.fail("determinism_precondition", spec, f"an uninterrupted run exited {run.result.returncode}",
                             details="  stderr:\n" + stderr_tail(run.result.stderr))

@@ -54,7 +54,7 @@ def _default_parent() -> Path:
     return Path.cwd()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m reference.bench", description=_package_doc().split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=256, help="state size in MiB (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported (default 3)")
@@ -69,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
                              "priority (default 0: unchanged). Reported in the output.")
     parser.add_argument("--markdown", action="store_true", help="also print the README section")
     parser.add_argument("--update-readme", type=Path, default=None, metavar="README",
-                        help=f"replace the section after the {_MARKER} line of README with the table")
+                        help=f"replace the section after the {_MARKER} line of this Markdown page "
+                             "(docs/benchmarks.md) with the table")
     parser.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.size_mb <= 0:
         parser.error("--repeats must be >= 1 and --size-mb > 0")

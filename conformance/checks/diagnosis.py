@@ -1,0 +1,185 @@
+"""Name the likely cause of a resume that diverges, from controlled experiments on the trainer.
+
+Run only when resume_matches_baseline fails. Every experiment stops the trainer cleanly at a step
+(a run with total_steps=k and a save at every step) and resumes it in a new process, so no kill is
+involved; the reference is an uninterrupted run with the same save cadence.
+
+- sweep: stop at every step k and resume. Resumes that match at some steps only (e.g. every
+  fifth: epoch boundaries) point at the data position within an epoch.
+- seed: resume the same checkpoint once with CONFORMANCE_SEED changed. A resumed run that
+  depends on the seed re-seeds an RNG instead of restoring it.
+- first step: does the first resumed step already differ (the forward pass sees other
+  parameters, buffers, batch or randomness), or only later ones (optimizer, scheduler, an RNG used
+  after the loss)?
+- same process: save and resume within one process (warm runner only). A match there, but not
+  across processes, means state kept outside the checkpoint (module globals, caches).
+
+The verdict is "cannot tell" when the experiments contradict each other or cannot run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..failures import loss_mismatches
+from ..forkserver import warm_module
+from ..process import RunSpec
+from .session import Session
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    cause: str
+    evidence: tuple[str, ...]
+
+    def render(self) -> str:
+        return "  likely cause: " + self.cause + "".join(f"\n    - {e}" for e in self.evidence)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    losses: dict[int, float]
+    first_step: int | None
+
+
+def _stop_and_resume(session: Session, spec: RunSpec, k: int, seed: int, *, same_process: bool = False
+                     ) -> Resumed | None:
+    """A run resumed from the checkpoint of step k (saved by a run stopped there, seed spec.seed)
+    with `seed`; None if the stopped run or the resume failed. Cached: Hypothesis replays a
+    failing example while shrinking, and each experiment needs to run once."""
+    return session._cached(("diagnose-resume", spec, k, seed, same_process),
+                           lambda: _run_stop_and_resume(session, spec, k, seed, same_process))
+
+
+def _run_stop_and_resume(session: Session, spec: RunSpec, k: int, seed: int, same_process: bool) -> Resumed | None:
+    d = session.case_dir(f"diagnose-{k}-{seed}")
+    ckpt = (d / "ckpt").resolve()
+    ckpt.mkdir()
+    first = RunSpec(k, 1, spec.seed)
+    second = RunSpec(spec.total_steps, 1, seed)
+    if same_process:
+        run_twice = getattr(session.runner, "run_twice", None)
+        if run_twice is None:
+            return None
+        result = run_twice(session.adapter, first, second, ckpt, (d / "loss1.jsonl").resolve(),
+                           (d / "loss2.jsonl").resolve())
+    else:
+        stopped = session.runner.run_process(session.adapter, first, ckpt, (d / "loss1.jsonl").resolve())
+        if stopped.returncode != 0 or max(stopped.losses, default=0) != k:
+            return None
+        result = session.runner.run_process(session.adapter, second, ckpt, (d / "loss2.jsonl").resolve())
+    if result is None or result.returncode != 0:
+        return None
+    return Resumed(result.losses, result.first_step)
+
+
+def _reference(session: Session, spec: RunSpec) -> dict[int, float] | None:
+    def compute():
+        d = session.case_dir("diagnose-ref")
+        (d / "ckpt").mkdir()
+        run = session.runner.run_process(session.adapter, RunSpec(spec.total_steps, 1, spec.seed),
+                                         (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
+        return run.losses if run.returncode == 0 else None
+    return session._cached(("diagnose-ref", spec), compute)
+
+
+def _sweep(session: Session, spec: RunSpec, ref: dict[int, float]) -> dict[int, Resumed | None]:
+    """Stop at every step that leaves at least two steps to compare, and resume."""
+    def compute():
+        return {k: _stop_and_resume(session, spec, k, spec.seed) for k in range(1, spec.total_steps - 1)}
+    return session._cached(("diagnose-sweep", spec), compute)
+
+
+def _period(matching: list[int], total: int) -> int | None:
+    """p if the matching resume points are exactly the multiples of p that were tried (p >= 2, at
+    least two of them)."""
+    if len(matching) < 2:
+        return None
+    p = matching[0]
+    return p if p >= 2 and matching == list(range(p, total - 1, p)) else None
+
+
+def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[int, float]) -> Diagnosis:
+    """The likely cause of `resumed` (a process that resumed from step `resumed_from`) differing
+    from the baseline."""
+    base = session.baseline(spec).losses
+    ref = _reference(session, spec)
+    if ref is None or loss_mismatches(base, ref, session.tol):
+        return Diagnosis("cannot tell", ("an uninterrupted run that saves at every step does not reproduce the "
+                                         "baseline, so stop-and-resume experiments have no reference",))
+    evidence = []
+    sweep = _sweep(session, spec, ref)
+    wrong_start = {k: r.first_step for k, r in sweep.items() if r is not None and r.first_step != k + 1}
+    if wrong_start:
+        k, got = next(iter(wrong_start.items()))
+        return Diagnosis("the step counter: after a clean stop at step k the trainer does not continue at step k+1",
+                         (f"stopped after saving step {k}, the next process logged step {got} first"
+                          + (f" (and {len(wrong_start) - 1} more resume points like it)" if len(wrong_start) > 1
+                             else ""),))
+    ran = {k: not loss_mismatches(ref, r.losses, session.tol) for k, r in sweep.items() if r is not None}
+    matching = sorted(k for k, ok in ran.items() if ok)
+    failing = sorted(k for k, ok in ran.items() if not ok)
+    if ran:
+        evidence.append(f"stopped at each step and resumed: matches from {_steps(matching) or 'no step'}, "
+                        f"differs from {_steps(failing) or 'no step'}")
+    r = resumed_from if 0 < resumed_from < spec.total_steps else (failing[len(failing) // 2] if failing else 0)
+    seed_dependent = None
+    if r:
+        same = _stop_and_resume(session, spec, r, spec.seed)
+        other = _stop_and_resume(session, spec, r, spec.seed + 1)
+        if same is not None and other is not None:
+            seed_dependent = bool(loss_mismatches(same.losses, other.losses, session.tol))
+            evidence.append(f"resumed from step {r} with CONFORMANCE_SEED={spec.seed + 1} instead of {spec.seed}: "
+                            + ("the losses change, so an RNG is re-seeded from the seed instead of restored"
+                               if seed_dependent else "the losses do not change"))
+    first = min(resumed, default=None)
+    first_differs = None
+    if first is not None and first in base:
+        first_differs = not abs(resumed[first] - base[first]) <= session.tol
+        evidence.append(f"the first resumed step ({first}) " + ("already differs" if first_differs else
+                                                                "matches; later steps differ"))
+    outside = None
+    if r and warm_module(session.adapter) is not None and failing:
+        together = _stop_and_resume(session, spec, r, spec.seed, same_process=True)
+        if together is not None:
+            outside = not loss_mismatches(ref, together.losses, session.tol) and r in failing
+            evidence.append(f"saved and resumed from step {r} within one process: "
+                            + ("matches, while a new process does not" if outside else "differs as well"))
+    period = _period(matching, spec.total_steps)
+    if not failing and ran:
+        return Diagnosis("cannot tell: a clean stop and resume matches at every step, so the divergence needs the "
+                         "kill (state written but not yet complete when it came?)", tuple(evidence))
+    if outside:
+        return Diagnosis("state kept outside the checkpoint (module-level globals, caches, or a global RNG the "
+                         "checkpoint does not capture)", tuple(evidence))
+    if seed_dependent:
+        return Diagnosis("RNG state: a random generator is re-seeded from CONFORMANCE_SEED on resume instead of "
+                         "restored from the checkpoint", tuple(evidence))
+    if first_differs is True:
+        if period is not None:
+            return Diagnosis(f"the data position within an epoch: resumes match only every {period} steps (at "
+                             "epoch boundaries, presumably) and the first resumed step differs, so a mid-epoch "
+                             "resume does not continue with the right batch", tuple(evidence))
+        if matching:
+            return Diagnosis("cannot tell: resumes match at some steps and not others, without a pattern",
+                             tuple(evidence))
+        return Diagnosis("the forward pass sees different state after a resume: parameters or buffers (the RNG "
+                         "and the data position look restored)", tuple(evidence))
+    if first_differs is False:
+        if period is not None:
+            return Diagnosis(f"LR scheduler state: the first resumed step matches and resumes match only every "
+                             f"{period} steps (the schedule's period?)", tuple(evidence))
+        return Diagnosis("optimizer or LR scheduler state (or an RNG used after the loss): the first resumed step "
+                         "matches and later ones differ", tuple(evidence))
+    return Diagnosis("cannot tell", tuple(evidence))
+
+
+def _steps(steps: list[int]) -> str:
+    """`[1, 2, 3, 5]` -> "steps 1-3, 5"."""
+    if not steps:
+        return ""
+    runs, start = [], steps[0]
+    for a, b in zip(steps, steps[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(runs)

@@ -1,0 +1,64 @@
+"""What the first screen of a run says: which trainer, profile, runner and strace are in use, and
+the usage mistakes caught before any test runs (each one error: a cause and a fix)."""
+from __future__ import annotations
+
+import difflib
+import functools
+import shutil
+import subprocess
+
+from .adapters import TrainerAdapter
+from .forkserver import warm_module
+from .strace import strace_problem
+
+
+@functools.lru_cache(maxsize=1)
+def strace_version() -> str | None:
+    exe = shutil.which("strace")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "-V"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    words = out.split()
+    return words[3] if len(words) > 3 and words[:3] == ["strace", "--", "version"] else (words[-1] if words else None)
+
+
+def runner_choice(adapter: TrainerAdapter, runner_option: str | None) -> tuple[str, str]:
+    """("warm" or "fresh", why)."""
+    if runner_option == "fresh":
+        return "fresh", "--runner=fresh: a new interpreter per trainer process"
+    found = warm_module(adapter)
+    if found is not None:
+        return "warm", f"processes forked from one that imported torch and {found[0]} once"
+    return "fresh", ("the command is not `python -m module` with this interpreter, so every trainer process "
+                     "starts a new interpreter and imports torch (seconds each; `python -m pkg.train` runs warm)")
+
+
+def describe_setup(adapter: TrainerAdapter, runner_option: str | None) -> str:
+    """The header line: trainer, Hypothesis profile, runner and strace, each with why."""
+    from hypothesis import settings
+    runner, why = runner_choice(adapter, runner_option)
+    version = strace_version()
+    problem = strace_problem() if version else "strace is not installed"
+    if not adapter.has("syscall_crash"):
+        problem = "the adapter lacks capability 'syscall_crash'"
+    crash = "on" if problem is None else f"off: {problem}"
+    return (f"conformance: trainer {adapter.name} ({adapter.spec}), profile {settings.get_current_profile_name()}, "
+            f"runner {runner} ({why}), strace {version or '-'} (syscall crash points {crash})")
+
+
+def unknown_ini_keys(config, known: set[str]) -> str | None:
+    """A usage error for `conformance_*` keys in the pytest configuration that the suite does not
+    read (pytest would only warn, and the run would test the bundled trainer instead)."""
+    inicfg = getattr(config, "inicfg", {}) or {}
+    unknown = sorted(k for k in inicfg if str(k).startswith("conformance_") and k not in known)
+    if not unknown:
+        return None
+    key = unknown[0]
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    where = getattr(config, "inipath", None) or "the pytest configuration"
+    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+    return (f"{where}: unknown option {key!r}, which the conformance suite does not read ({hint})\n"
+            f"  fix: {'rename it to ' + repr(close[0]) if close else 'remove it'}")

@@ -1,0 +1,170 @@
+"""Every command in the README and docs/ is exercised here, so the documentation cannot drift from
+the code: each ```bash line is classified by the program it runs, and each is either run for real
+(with placeholders such as `mytrain` filled in by a small real trainer) or, where running it would
+take minutes (a whole suite, a benchmark, a soak), parsed by that program's own argument parser or
+collected by pytest. A command of a kind this module does not know fails the test.
+
+The README's adapter example is itself written to disk and used as the `mytrain` package."""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+BLOCK_RE = re.compile(r"```(\w+)\n(.*?)```", re.DOTALL)
+
+# A training script with the `main(...)` the README's adapter example calls, and the command
+# contract when run as `python -m mytrain.train` or `python train.py`: the bundled trainer underneath.
+TRAIN_PY = '''\
+import sys
+from pathlib import Path
+
+from fixtures.contract import LossLog, RunConfig
+from fixtures.reference_trainer import ReferenceTrainer
+
+
+def main(ckpt_dir, max_steps, save_every, seed, on_step):
+    class Log:
+        def log(self, step, loss):
+            on_step(step, loss)
+    import fixtures.reference_trainer as rt
+    rt.LossLog = lambda path: Log()
+    return ReferenceTrainer(RunConfig(Path(ckpt_dir), max_steps, save_every, seed, Path("unused"))).run()
+
+
+if __name__ == "__main__":
+    cfg = RunConfig.from_env()
+    sys.exit(ReferenceTrainer(cfg).run())
+'''
+
+
+def blocks(page: Path, language: str) -> list[str]:
+    return [body for lang, body in BLOCK_RE.findall(page.read_text()) if lang == language]
+
+
+def commands() -> list[tuple[str, str]]:
+    """(page, command) for every command line of every ```bash block (`&&` chains split)."""
+    out = []
+    for page in PAGES:
+        for body in blocks(page, "bash"):
+            for line in body.replace("\\\n", " ").splitlines():
+                line = re.split(r"\s{2,}#", line)[0].strip()
+                if line and not line.startswith("#"):
+                    out += [(page.name, part.strip()) for part in line.split("&&")]
+    return out
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A directory with the README's `mytrain` adapter, a script trainer, a checkpoint directory
+    and a saved report, where the documented commands run."""
+    d = tmp_path_factory.mktemp("docs")
+    (d / "mytrain").mkdir()
+    (d / "mytrain" / "__init__.py").write_text("")
+    (d / "mytrain" / "train.py").write_text(TRAIN_PY)
+    example = next(b for b in blocks(REPO / "README.md", "python") if "conformance_adapter.py" in b)
+    (d / "mytrain" / "conformance_adapter.py").write_text(example)
+    (d / "train.py").write_text("import runpy\nrunpy.run_module('mytrain.train', run_name='__main__')\n")
+    import reference
+    from tests.strategies import trainer_payload
+    (d / "path" / "to" / "checkpoints").mkdir(parents=True)
+    reference.CheckpointManager(d / "path" / "to" / "checkpoints").save(trainer_payload(step=3), force=True)
+    from conformance import report
+    report.write_report(report.environment(None, "ci", []), d / "conformance-report")
+    (d / "fixtures").symlink_to(REPO / "fixtures")   # documented paths are relative to the repository root
+    (d / "conformance-expected-failures.txt").write_text((REPO / "examples" / "conformance-expected-failures.txt").read_text())
+    return d
+
+
+def _argv(command: str, workspace: Path) -> list[str]:
+    command = command.replace("mypkg.train:ADAPTER", "mytrain.conformance_adapter:ADAPTER")
+    command = command.replace('"python train.py --small"', f'"{sys.executable} train.py --small"')
+    command = command.replace('"python -m mytrain.train --small"', f'"{sys.executable} -m mytrain.train --small"')
+    argv = shlex.split(command)
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+def _parser_of(module: str):
+    import importlib
+    if module == "conformance":
+        return importlib.import_module("conformance.__main__").build_parser()
+    if module == "reference":
+        return importlib.import_module("reference.__main__").parser()
+    if module in ("conformance.bench", "reference.bench"):
+        mod = importlib.import_module(f"{module}.cli" if module == "reference.bench" else module)
+        return mod.build_parser()
+    raise AssertionError(f"no parser known for python -m {module}")
+
+
+def exercise(command: str, workspace: Path) -> None:
+    argv = _argv(command, workspace)
+    run = lambda args, **kw: subprocess.run(args, cwd=workspace, capture_output=True, text=True,  # noqa: E731
+                                            timeout=600, **kw)
+    if argv[:2] == ["pip", "install"]:
+        extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+        for word in argv[2:]:
+            m = re.search(r"\[([\w,]+)\]", word)
+            if m:
+                assert set(m.group(1).split(",")) <= extras, f"unknown extra in {command!r}"
+            if word.startswith("torch=="):
+                assert re.fullmatch(r"torch==\d+\.\d+\.\d+", word)
+        return
+    is_pytest = argv[0] == "pytest" or argv[1:3] == ["-m", "pytest"]
+    if is_pytest:
+        args = argv[1:] if argv[0] == "pytest" else argv[3:]
+        if args and args[-1] == "tests":        # the project's own test command: collect from the checkout
+            proc = subprocess.run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=600)
+        else:
+            proc = run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q", "-p", "no:cacheprovider"])
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        assert "collected" in proc.stdout or "tests collected" in proc.stdout
+        return
+    if argv[0] == sys.executable and argv[1].endswith(".py"):   # a script of this repository
+        proc = run([sys.executable, str(REPO / argv[1]), *argv[2:]])
+        assert proc.returncode == 0, f"{command}\n{proc.stderr[-2000:]}"
+        return
+    assert argv[0] == sys.executable and argv[1] == "-m", f"a command of a kind this test does not know: {command!r}"
+    module, args = argv[2], argv[3:]
+    if module == "reference" or (module == "conformance" and args[0] in ("report", "replay")):
+        proc = run([sys.executable, "-m", module, *args])
+        allowed = {0, 1} if module == "conformance" else {0}
+        assert proc.returncode in allowed, f"{command}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        return
+    parsed = _parser_of(module).parse_args(args)   # a soak or a benchmark: takes minutes; parse only
+    assert parsed is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page, command", commands(), ids=[f"{p}:{c[:60]}" for p, c in commands()])
+def test_every_documented_command_runs(workspace, page, command):
+    exercise(command, workspace)
+
+
+def test_the_docs_have_commands_and_the_readme_is_short():
+    assert len(commands()) >= 10
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
+def test_the_broken_trainer_table_is_the_catalogue():
+    from fixtures.broken import CATALOGUE
+    text = (REPO / "docs" / "fixtures.md").read_text()
+    for trainer, (_, check) in CATALOGUE.items():
+        assert re.search(rf"\| `{trainer}` \| `{re.escape(check)}` \|", text), f"docs/fixtures.md lacks {trainer}"
+
+
+@pytest.mark.slow
+def test_the_readme_adapter_example_passes_determinism(workspace):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "conformance",
+                           "--adapter=mytrain.conformance_adapter:ADAPTER", "-k", "determinism"],
+                          cwd=workspace, capture_output=True, text=True, timeout=600)
+    assert "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
