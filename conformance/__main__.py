@@ -38,7 +38,7 @@ def _replay(args) -> int:
     except AdapterError as exc:
         print(f"error: cannot use the trainer: {exc}", file=sys.stderr)
         return 2
-    session = Session(adapter, tol=args.loss_tol, process_timeout=args.process_timeout)
+    session = Session(adapter, tol=args.loss_tol, process_timeout=args.process_timeout, grace_s=args.grace_seconds)
     spec = RunSpec(args.total_steps, args.save_every, args.seed)
     try:
         result = check.decide(session, spec, param, case)
@@ -50,7 +50,7 @@ def _replay(args) -> int:
         return 2
     finally:
         session.close()
-    extra = f"; checked {result} crash state(s)" if isinstance(result, int) else ""
+    extra = f"; checked {result} state(s)" if isinstance(result, int) else ""
     print(f"PASS [{args.check}]{extra} (work files kept in {session.workdir})")
     return 0
 
@@ -114,7 +114,7 @@ def _soak(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .checks import CHECKS, all_check_ids
-    from .settings import DEFAULT_TOL
+    from .settings import DEFAULT_GRACE_S, DEFAULT_TOL
     parser = argparse.ArgumentParser(prog="python -m conformance")
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay one case exactly, from the line a failure printed")
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         rp.add_argument(f"--{option.name}", help=option.help)
     rp.add_argument("--loss-tol", type=float, default=DEFAULT_TOL)
     rp.add_argument("--process-timeout", type=float, default=None, metavar="SECONDS")
+    rp.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS")
     rep = sub.add_parser("report", help="render a saved report.json (exit 1 if it holds failures)")
     rep.add_argument("path", help="report.json written by --conformance-report")
     rep.add_argument("--format", choices=("markdown", "json"), default="markdown")

@@ -19,7 +19,7 @@ from typing import Any
 BUNDLED = "fixtures.reference_trainer:ADAPTER"
 
 # Capabilities an adapter may declare; a check needing one the adapter lacks is skipped naming it.
-KNOWN_CAPABILITIES = frozenset({"legacy_samples", "sharded", "syscall_crash"})
+KNOWN_CAPABILITIES = frozenset({"legacy_samples", "preemption_save", "sharded", "syscall_crash"})
 
 
 class AdapterError(ValueError):

@@ -4,10 +4,12 @@
   processes, the first traced and killed by strace) on the warm runner and with a fresh
   interpreter per process, and a bare `python -c "import torch"` (medians);
 - crash states checked per minute by the crash_states check (rebuilt offline, one short resume each);
+- power-loss states (data and strict models) checked per minute by the power_loss check;
 - the wall time of the `ci` profile against the bundled trainer with `-n auto`, and whether that
   run covered every filesystem operation of a save (its crash_states evidence).
 
-Targets on 2 cores: trial_vs_import <= 0.1, integrity_states_per_min >= 1000, ci_profile_seconds <= 90.
+Targets on 2 cores: trial_vs_import <= 0.1, integrity_states_per_min >= 1000,
+power_loss_states_per_min >= 1000, ci_profile_seconds <= 90.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Any
 from .readme import replace_section
 
 TARGETS = {"trial_vs_import": ("<=", 0.1), "integrity_states_per_min": (">=", 1000.0),
-           "ci_profile_seconds": ("<=", 90.0)}
+           "power_loss_states_per_min": (">=", 1000.0), "ci_profile_seconds": ("<=", 90.0)}
 _MARKER = "<!-- conformance-bench -->"
 
 
@@ -85,6 +87,27 @@ def states_per_minute(workdir: Path) -> tuple[float, int, float]:
         session.close()
 
 
+def power_states_per_minute(workdir: Path) -> tuple[float, int, float]:
+    """Power-loss states (both models) checked per minute against the bundled trainer."""
+    from .adapters import resolve
+    from .checks import Session
+    from .checks.power import power_loss
+    from .process import RunSpec
+    from .settings import SEED, TOTAL_STEPS
+
+    session = Session(resolve(None, None), workdir / "power")
+    try:
+        spec = RunSpec(TOTAL_STEPS, 3, SEED)
+        session.baseline(spec)
+        session.plain_resume_losses(spec, 3)   # warm the fork server
+        start = time.perf_counter()
+        n = sum(power_loss(session, f"power_loss[{m}]", spec, m) for m in ("data", "strict"))
+        seconds = time.perf_counter() - start
+        return n / seconds * 60, n, seconds
+    finally:
+        session.close()
+
+
 def ci_profile(workdir: Path) -> dict[str, Any]:
     from .evidence import CrashStates
     from .report import load_report
@@ -120,17 +143,20 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         warm_s, warm_all, point = trial_seconds("warm", repeats, tmp_path)
         fresh_s, fresh_all, _ = trial_seconds("fresh", fresh_repeats, tmp_path)
         per_min, n_states, states_s = states_per_minute(tmp_path)
+        power_per_min, n_power, power_s = power_states_per_minute(tmp_path)
         ci = ci_profile(tmp_path) if with_ci else None
         load_after = os.getloadavg()[0]
     result = {
         "trial_vs_import": warm_s / import_s,
         "integrity_states_per_min": per_min,
+        "power_loss_states_per_min": power_per_min,
         "ci_profile_seconds": ci["seconds"] if ci else None,
         "details": {
             "bare_import_torch_s": import_s, "warm_trial_s": warm_s, "fresh_trial_s": fresh_s,
             "fresh_vs_warm": fresh_s / warm_s, "trial_schedule": point,
             "all_times_s": {"import": import_all, "warm_trial": warm_all, "fresh_trial": fresh_all},
             "crash_states": n_states, "crash_states_seconds": states_s,
+            "power_loss_states": n_power, "power_loss_seconds": power_s,
             "state_workers": int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1),
             "ci": ci, "repeats": repeats, "fresh_repeats": fresh_repeats,
             "load_avg_before_after": [round(load_before, 2), round(load_after, 2)],
@@ -164,6 +190,8 @@ def format_markdown(r: dict[str, Any], command: str) -> str:
          f"(fresh-interpreter trial {d['fresh_trial_s']:.2f} s, {d['fresh_vs_warm']:.0f}x the warm one)"),
         ("`integrity_states_per_min`", f"{r['integrity_states_per_min']:.0f}", ">= 1000",
          f"{d['crash_states']} crash states in {d['crash_states_seconds']:.1f} s, {d['state_workers']} at a time"),
+        ("`power_loss_states_per_min`", f"{r['power_loss_states_per_min']:.0f}", ">= 1000",
+         f"{d['power_loss_states']} power-loss states (data and strict models) in {d['power_loss_seconds']:.1f} s"),
     ]
     if r["ci_profile_seconds"] is not None:
         rows.append(("`ci_profile_seconds`", f"{r['ci_profile_seconds']:.1f}", "<= 90",

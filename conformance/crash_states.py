@@ -29,6 +29,8 @@ class Replayer:
         self.positions: dict[tuple[int, str], int] = {}
 
     def apply(self, op: Op, *, torn: bool = False) -> None:
+        if op.error:
+            return   # an injected failure changed nothing
         k = op.kind
         if k == "mkdir":
             self.dirs.add(op.path)
@@ -48,6 +50,18 @@ class Replayer:
             buf[pos:pos + len(data)] = data
             if op.offset is None:
                 self.positions[(op.fd, op.path)] = pos + len(data)
+        elif k == "copy":   # sendfile/copy_file_range: the source's bytes, at the destination's position
+            source = self.files.get(op.target)
+            if source is None or op.offset is None:
+                raise UnreplayableTrace(f"op #{op.index} ({op.describe()}): the source's bytes are not in the recording")
+            data = bytes(source[op.offset:op.offset + op.length])
+            data = data[: torn_length(data)] if torn else data
+            buf = self.files.setdefault(op.path, bytearray())
+            pos = self.positions.get((op.fd, op.path), len(buf))
+            if pos > len(buf):
+                buf.extend(b"\0" * (pos - len(buf)))
+            buf[pos:pos + len(data)] = data
+            self.positions[(op.fd, op.path)] = pos + len(data)
         elif k == "seek":
             self.positions[(op.fd, op.path)] = op.offset
         elif k == "truncate":
@@ -136,23 +150,29 @@ def crash_states(run: RecordedRun) -> list[CrashState]:
     return states
 
 
-def _save_complete_before(run: RecordedRun) -> dict[int, bool]:
-    """Op index -> whether, just before it, every file its save leaves behind already holds its
-    final bytes (later operations of the save only sync or clean up). Decides only which probe
-    runs first; the verdict does not depend on it."""
-    windows = run.windows()
+def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
+    """Step s -> the files its save leaves behind (written or renamed in during the save, and
+    present when it ends), with their bytes: what a complete checkpoint of step s is."""
+    ends = {idxs[-1]: s for s, idxs in run.windows().items() if s}
+    written: dict[int, set[str]] = {}
     finals: dict[int, dict[str, bytes]] = {}
     replayer = Replayer()
-    ends = {idxs[-1]: s for s, idxs in windows.items() if s}
-    written: dict[int, set[str]] = {}
     for op in run.ops:
         replayer.apply(op)
         if op.mutation and op.after_step:
             written.setdefault(op.after_step, set()).update(p for p in (op.path, op.target) if p)
         if op.index in ends:
             s = ends[op.index]
-            finals[s] = {p: bytes(b) for p, b in replayer.files.items()
-                         if any(p == w or p.startswith(w + "/") for w in written.get(s, ()))}
+            finals[s] = {p: bytes(b) for p, b in replayer.files.items() if not p.startswith("/")
+                         and any(p == w or p.startswith(w + "/") for w in written.get(s, ()))}
+    return finals
+
+
+def _save_complete_before(run: RecordedRun) -> dict[int, bool]:
+    """Op index -> whether, just before it, every file its save leaves behind already holds its
+    final bytes (later operations of the save only sync or clean up). Decides only which probe
+    runs first; the verdict does not depend on it."""
+    finals = save_files(run)
     out: dict[int, bool] = {}
     replayer = Replayer()
     for op in run.ops:

@@ -141,6 +141,39 @@ class CrashStates(Evidence):
 
 
 @dataclasses.dataclass(frozen=True)
+class PowerLoss(Evidence):
+    kind: ClassVar[str] = "power_loss"
+    model: str
+    states: int
+    failed: int
+    failing: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        return (f"{self.states} power-loss states ({self.model} model)"
+                + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault(Evidence):
+    """A storage error or a SIGTERM delivered at one operation, and what followed."""
+
+    kind: ClassVar[str] = "fault"
+    check: str
+    point: str
+    planned: str
+    fault: str                 # ENOSPC, EIO, SIGTERM
+    first_exit: int
+    went_on: bool              # kept training (stopped by the suite) / still running after the grace period
+    resumed_from: int
+    final_exit: int
+
+    def summary(self) -> str:
+        first = "went on" if self.went_on else f"exit {self.first_exit}"
+        return (f"{self.fault} at {self.point}: {first}; next start resumed from step {self.resumed_from}, "
+                f"exit {self.final_exit}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Corruption(Evidence):
     kind: ClassVar[str] = "corruption"
     corruption: str

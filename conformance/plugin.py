@@ -20,7 +20,7 @@ from . import settings as _settings  # noqa: F401  (registers the Hypothesis pro
 from .adapters import AdapterError, TrainerAdapter, resolve
 from .checks import Session
 from .runners import SubprocessRunner, WarmRunner
-from .settings import DEFAULT_TOL
+from .settings import DEFAULT_GRACE_S, DEFAULT_TOL
 from .usage import describe_setup, unknown_ini_keys
 
 OPTIONS = {   # name -> (command-line flag, ini key)
@@ -29,6 +29,7 @@ OPTIONS = {   # name -> (command-line flag, ini key)
     "runner": ("--runner", "conformance_runner"),
     "loss_tol": ("--loss-tol", "conformance_loss_tol"),
     "process_timeout": ("--process-timeout", "conformance_process_timeout"),
+    "grace_seconds": ("--grace-seconds", "conformance_grace_seconds"),
     "report": ("--conformance-report", "conformance_report"),
     "expected_failures": ("--expected-failures", "conformance_expected_failures"),
 }
@@ -49,6 +50,9 @@ def pytest_addoption(parser):
     group.addoption("--process-timeout", type=float, default=None, metavar="SECONDS",
                     help="kill a trainer process after this long (default: 10x the baseline run, at "
                          "least 60 s; 600 s for the first run); half of it without a new step also kills")
+    group.addoption("--grace-seconds", type=float, default=None, metavar="SECONDS",
+                    help=f"preemption: how long after SIGTERM the trainer may run before SIGKILL (default "
+                         f"{DEFAULT_GRACE_S:g}; SLURM and Kubernetes default to 30)")
     group.addoption("--conformance-report", default=None, metavar="DIR",
                     help="write DIR/report.json (every check, its outcome and the numbers behind it), "
                          "DIR/summary.md (for a pull request) and DIR/plots/*.png")
@@ -77,6 +81,8 @@ def conformance_session_for(request, tmp_path_factory):
     tol = float(tol) if tol is not None else DEFAULT_TOL
     timeout = option(config, "process_timeout")
     timeout = float(timeout) if timeout is not None else None
+    grace = option(config, "grace_seconds")
+    grace = float(grace) if grace is not None else DEFAULT_GRACE_S
 
     def get(adapter=None, trainer_cmd=None) -> Session:
         if adapter is None and trainer_cmd is None:
@@ -88,7 +94,7 @@ def conformance_session_for(request, tmp_path_factory):
             report_dir = option(config, "report")
             plot_dir = Path(report_dir).resolve() / "plots" if report_dir else None
             cache[key] = Session(resolved, tmp_path_factory.mktemp("conformance"), runner=runner, tol=tol,
-                                 plot_dir=plot_dir, process_timeout=timeout)
+                                 plot_dir=plot_dir, process_timeout=timeout, grace_s=grace)
         return cache[key]
 
     yield get

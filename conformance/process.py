@@ -41,6 +41,7 @@ class ProcessResult:
     killed: bool = False       # killed by the suite at a crash point
     seconds: float = 0.0
     overrun: str = ""          # why the suite stopped it early (a time limit), if it did
+    stopped: str = ""          # a planned stop by the suite (after a step, after a grace period)
 
     @property
     def first_step(self) -> int | None:

@@ -17,13 +17,14 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from pathlib import Path
 
 from . import strace
 from .process import ProcessResult, RunSpec
 
 # Operations that change the directory or a file's bytes (crash points are drawn among these).
-MUTATIONS = frozenset({"mkdir", "create", "write", "truncate", "rename", "unlink", "rmdir", "link",
+MUTATIONS = frozenset({"mkdir", "create", "write", "copy", "truncate", "rename", "unlink", "rmdir", "link",
                        "symlink", "fsync"})
 _WRITE_CALLS = ("write", "pwrite64", "writev", "pwritev", "pwritev2")
 _OPEN_WRITE_FLAGS = ("O_CREAT", "O_TRUNC", "O_WRONLY", "O_RDWR", "O_APPEND")
@@ -39,11 +40,12 @@ class Op:
     a file written elsewhere and later renamed in)."""
 
     index: int
-    kind: str                  # mkdir create open write seek truncate rename unlink rmdir link symlink fsync
+    kind: str                  # mkdir create open write copy seek truncate rename unlink rmdir link symlink fsync
     path: str
-    target: str = ""           # rename/link destination, symlink target
+    target: str = ""           # rename/link destination, symlink target; a copy's source file
     data: bytes | None = b""   # bytes written; None if the trace cut them short
-    offset: int | None = None  # pwrite/seek/truncate offset; None: at the fd's position
+    offset: int | None = None  # pwrite/seek/truncate offset (a copy's source offset); None: at the fd's position
+    length: int = 0            # bytes a copy moved
     fd: int = -1
     flags: str = ""
     after_step: int = 0        # the last step logged before this operation (0: none yet)
@@ -53,6 +55,7 @@ class Op:
     tid: int = 0
     targetable: bool = False   # a KILL injected at (syscall, nth) lands here and nowhere earlier
     killed: bool = False       # the process died inside this call
+    error: str = ""            # an errno the suite injected: the call failed and changed nothing
 
     @property
     def mutation(self) -> bool:
@@ -62,6 +65,8 @@ class Op:
         if self.kind == "write":
             size = "?" if self.data is None else len(self.data)
             return f"write {size} bytes to {self.path}"
+        if self.kind == "copy":
+            return f"copy {self.length} bytes from {self.target} to {self.path}"
         if self.kind in ("rename", "link"):
             return f"{self.kind} {self.path} -> {self.target}"
         if self.kind == "fsync" and self.syscall == "fdatasync":
@@ -136,6 +141,10 @@ class RecordedRun:
     def killed_op(self) -> Op | None:
         return next((op for op in self.ops if op.killed), None)
 
+    def failed_op(self) -> Op | None:
+        """The operation the suite injected an error into, if any."""
+        return next((op for op in self.ops if op.error), None)
+
     def step_targetable(self, step: int) -> bool:
         return step in self.step_logs and self._first_to_reach.get(
             (self.step_logs[step].name, self.step_logs[step].nth)) == self.step_logs[step].seq
@@ -175,11 +184,11 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
         inside = not path.startswith("/") or not kw.get("target", "/").startswith("/")
         targetable = kind != "create" and first_to_reach.get((sc.name, sc.nth)) == sc.seq
         ops.append(Op(len(ops), kind, path, after_step=logged, inside=inside, syscall=sc.name, nth=sc.nth,
-                      tid=sc.tid, targetable=targetable, killed=sc.killed, **kw))
+                      tid=sc.tid, targetable=targetable, killed=sc.killed, error=sc.injected_error or "", **kw))
 
     for sc in syscalls:
-        if sc.failed:
-            continue   # a failed call changes nothing
+        if sc.failed and not sc.injected_error:
+            continue   # a failed call changes nothing (an injected failure is kept, marked, for landing)
         call, args = sc.name, sc.args
         if call in _WRITE_CALLS:
             if not args:
@@ -198,6 +207,20 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
                 continue
             add(sc, "write", path, data=_written_bytes(sc), fd=strace.fd_number(args[0]),
                 offset=int(args[3]) if call in ("pwrite64", "pwritev", "pwritev2") and len(args) > 3 else None)
+        elif call in ("sendfile", "copy_file_range", "splice"):
+            out_arg, in_arg, off_arg = ((args[0], args[1], args[2]) if call == "sendfile" else
+                                        (args[2], args[0], args[1]) if call == "copy_file_range" else
+                                        (args[2], args[0], args[1]))
+            path = rel(strace.fd_path(out_arg))
+            if path is None:
+                continue
+            source = rel(strace.fd_path(in_arg))
+            m = re.match(r"^\[(\d+)\]", off_arg.strip())
+            explicit_out = call != "sendfile" and len(args) > 3 and "NULL" not in args[3]
+            if source is None or m is None or call == "splice" or explicit_out:
+                unreplayable.append(f"{call} into {path} (its bytes come from {strace.fd_path(in_arg)}, not in the trace)")
+            add(sc, "copy", path, target=source or "", offset=int(m.group(1)) if m else None,
+                length=sc.value or 0, fd=strace.fd_number(out_arg), data=None)
         elif call == "fallocate":
             path = rel(strace.fd_path(args[0]))
             if path is not None:
@@ -289,7 +312,6 @@ def _written_bytes(sc: strace.Syscall) -> bytes | None:
     try:
         if sc.name in ("write", "pwrite64"):
             return strace.decode_string(sc.args[1])[:n]
-        import re
         parts = re.findall(r'iov_base=("(?:[^"\\]|\\.)*"(?:\.\.\.)?)', sc.args[1])
         return b"".join(strace.decode_string(p) for p in parts)[:n]
     except (ValueError, IndexError):

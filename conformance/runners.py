@@ -42,13 +42,29 @@ class Limits:
     trace_bytes: int = int(os.environ.get("CONFORMANCE_TRACE_CAP", str(4 << 30)))
 
 
-class Watchdog:
-    """Reads the loss log as it grows and says when a process must be stopped, and why."""
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """A planned end for a process, besides its own exit: after it logs a step (it went on
+    training past the point of interest), or a grace period after a SIGTERM reached it (what a
+    scheduler does: SIGTERM, wait, SIGKILL)."""
 
-    def __init__(self, limits: Limits, spec: RunSpec, loss_log: Path, trace_file: Path | None):
+    after_step: int | None = None
+    grace_s: float | None = None
+
+
+class Watchdog:
+    """Reads the loss log (and the trace) as they grow and says when a process must be stopped,
+    and why. `planned` is set when the stop was a planned one, not a broken limit."""
+
+    def __init__(self, limits: Limits, spec: RunSpec, loss_log: Path, trace_file: Path | None,
+                 stop: Stop | None = None):
         self.limits, self.spec, self.loss_log, self.trace_file = limits, spec, loss_log, trace_file
+        self.stop = stop or Stop()
         self.start = self.progress_at = time.monotonic()
         self.offset, self.last_step, self.partial = 0, 0, b""
+        self.planned: str | None = None
+        self.signalled_at: float | None = None
+        self.trace_offset = 0
 
     def _read_steps(self) -> None:
         try:
@@ -69,9 +85,30 @@ class Watchdog:
                 self.progress_at = time.monotonic()
             self.last_step = max(self.last_step, step)
 
+    def _signal_seen(self) -> bool:
+        """Whether strace's output shows the SIGTERM delivered (it writes each line as it happens)."""
+        if self.signalled_at is None and self.trace_file is not None:
+            start = max(0, self.trace_offset - 32)   # a marker may straddle two reads
+            try:
+                with open(self.trace_file, "rb") as f:
+                    f.seek(start)
+                    chunk = f.read()
+            except OSError:
+                return False
+            self.trace_offset = start + len(chunk)
+            if b"--- SIGTERM " in chunk:
+                self.signalled_at = time.monotonic()
+        return self.signalled_at is not None
+
     def problem(self) -> str | None:
         self._read_steps()
         now, total = time.monotonic(), self.spec.total_steps
+        if self.stop.after_step is not None and self.last_step >= self.stop.after_step:
+            self.planned = f"stopped by the suite after it logged step {self.last_step}"
+            return self.planned
+        if self.stop.grace_s is not None and self._signal_seen() and now - self.signalled_at > self.stop.grace_s:
+            self.planned = f"SIGKILLed {self.stop.grace_s:g} s after SIGTERM (still running at the end of the grace period)"
+            return self.planned
         if self.last_step > total:
             return f"ran past CONFORMANCE_TOTAL_STEPS (logged step {self.last_step} of {total})"
         if now - self.start > self.limits.total_s:
@@ -97,7 +134,8 @@ class Runner(Protocol):
     limits: Limits
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
-                    prefix: list[str] | None = None, trace_file: Path | None = None) -> ProcessResult: ...
+                    prefix: list[str] | None = None, trace_file: Path | None = None,
+                    stop: Stop | None = None) -> ProcessResult: ...
 
     def close(self) -> None: ...
 
@@ -106,11 +144,13 @@ def _trace_text(trace_file: Path | None) -> str:
     return trace_file.read_text(errors="replace") if trace_file and trace_file.exists() else ""
 
 
-def _finish(rc: int, err: str, loss_log: Path, trace_file: Path | None, start: float, overrun: str | None
-            ) -> ProcessResult:
-    result = ProcessResult(rc, read_losses(loss_log), err, "" if overrun else _trace_text(trace_file),
-                           seconds=time.monotonic() - start, overrun=overrun or "")
-    if overrun:
+def _finish(rc: int, err: str, loss_log: Path, trace_file: Path | None, start: float, overrun: str | None,
+            watch: Watchdog) -> ProcessResult:
+    planned = overrun is not None and overrun == watch.planned
+    result = ProcessResult(rc, read_losses(loss_log), err, "" if overrun and not planned else _trace_text(trace_file),
+                           seconds=time.monotonic() - start, overrun="" if planned else overrun or "",
+                           stopped=(watch.planned or "") if planned else "")
+    if overrun and not planned:
         raise ProcessOverran(overrun, result)
     return result
 
@@ -122,10 +162,11 @@ class SubprocessRunner:
         self.limits = limits or Limits()
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
-                    prefix: list[str] | None = None, trace_file: Path | None = None) -> ProcessResult:
+                    prefix: list[str] | None = None, trace_file: Path | None = None,
+                    stop: Stop | None = None) -> ProcessResult:
         argv = list(prefix or []) + list(adapter.argv)
         start = time.monotonic()
-        watch = Watchdog(self.limits, spec, loss_log, trace_file)
+        watch = Watchdog(self.limits, spec, loss_log, trace_file, stop)
         err_path = loss_log.with_name(loss_log.name + ".stderr")
         with open(err_path, "w+b") as err_file:
             proc = subprocess.Popen(argv, env=adapter.environment(spec.env(ckpt_dir, loss_log)), stdin=subprocess.DEVNULL,
@@ -140,7 +181,7 @@ class SubprocessRunner:
                 time.sleep(POLL_S)
             err_file.seek(0)
             err = err_file.read().decode(errors="replace")
-        return _finish(proc.returncode, err, loss_log, trace_file, start, overrun)
+        return _finish(proc.returncode, err, loss_log, trace_file, start, overrun, watch)
 
     def close(self) -> None:
         pass
@@ -166,21 +207,23 @@ class WarmRunner:
             return self._servers[key]
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
-                    prefix: list[str] | None = None, trace_file: Path | None = None) -> ProcessResult:
+                    prefix: list[str] | None = None, trace_file: Path | None = None,
+                    stop: Stop | None = None) -> ProcessResult:
         from .forkserver import warm_module
         found = warm_module(adapter)
         if found is None:
             self._fallback.limits = self.limits
-            return self._fallback.run_process(adapter, spec, ckpt_dir, loss_log, prefix=prefix, trace_file=trace_file)
+            return self._fallback.run_process(adapter, spec, ckpt_dir, loss_log, prefix=prefix, trace_file=trace_file,
+                                              stop=stop)
         module, argv = found
         stderr_path = loss_log.with_name(loss_log.name + ".stderr")
         attach = (lambda pid: attach_strace(prefix, pid)) if prefix else None
         start = time.monotonic()
-        watch = Watchdog(self.limits, spec, loss_log, trace_file)
+        watch = Watchdog(self.limits, spec, loss_log, trace_file, stop)
         rc, overrun = self._server(adapter, module).run(module, argv, adapter.environment(spec.env(ckpt_dir, loss_log)),
                                                         stderr_path, attach, watch=watch.problem, poll=POLL_S)
         err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-        return _finish(rc, err, loss_log, trace_file, start, overrun)
+        return _finish(rc, err, loss_log, trace_file, start, overrun, watch)
 
     def run_twice(self, adapter: TrainerAdapter, first: RunSpec, second: RunSpec, ckpt_dir: Path,
                   first_log: Path, second_log: Path) -> ProcessResult | None:
@@ -198,7 +241,7 @@ class WarmRunner:
             module, argv, adapter.environment(first.env(ckpt_dir, first_log)), stderr_path, watch=watch.problem,
             poll=POLL_S, then_env=adapter.environment(second.env(ckpt_dir, second_log)))
         err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-        return _finish(rc, err, second_log, None, start, overrun)
+        return _finish(rc, err, second_log, None, start, overrun, watch)
 
     def close(self) -> None:
         for server in self._servers.values():

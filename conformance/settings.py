@@ -17,6 +17,7 @@ TOTAL_STEPS = 14
 SEED = 0
 CADENCES = (3, 4)   # with the bundled trainer's 5 batches per epoch, both save mid-epoch
 DEFAULT_TOL = 1e-4
+DEFAULT_GRACE_S = 5.0   # SIGTERM to SIGKILL (SLURM's KillWait and Kubernetes default to 30 s)
 
 SLOW_OK = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                      HealthCheck.function_scoped_fixture])

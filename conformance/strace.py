@@ -21,11 +21,14 @@ from pathlib import Path
 
 # Every syscall that changes a directory tree or a file's bytes, plus lseek (it moves the offset
 # later writes land at), the opens (creating, truncating, or reading: what a resume reads) and mmap
-# (a shared writable mapping of a checkpoint file makes the recording unreplayable).
+# (a shared writable mapping of a checkpoint file makes the recording unreplayable), and the
+# in-kernel copies (sendfile, copy_file_range: shutil.copyfile uses them) whose bytes come from
+# another file.
 RECORD_SYSCALLS = (
     "write", "pwrite64", "writev", "pwritev", "pwritev2", "openat", "open", "creat", "rename",
     "renameat", "renameat2", "unlink", "unlinkat", "rmdir", "mkdir", "mkdirat", "fsync", "fdatasync",
     "ftruncate", "truncate", "lseek", "link", "linkat", "symlink", "symlinkat", "fallocate", "mmap",
+    "sendfile", "copy_file_range", "splice",
 )
 MAX_DATA_BYTES = 64 * 1024 * 1024   # strace -s for a recording: longer writes cannot be replayed
 PATH_BYTES = 4096                   # strace -s for a trace that needs paths, not data
@@ -68,6 +71,14 @@ class Syscall:
     def failed(self) -> bool:
         v = self.value
         return v is not None and v < 0
+
+    @property
+    def injected_error(self) -> str | None:
+        """The errno name strace injected into this call (`= -1 ENOSPC (...) (INJECTED)`), or None."""
+        if self.ret is None or "(INJECTED)" not in self.ret:
+            return None
+        m = re.match(r"^-1 (E[A-Z0-9]+)", self.ret)
+        return m.group(1) if m else None
 
     @property
     def returned_path(self) -> str | None:
@@ -179,10 +190,11 @@ def record_argv(trace_file: Path, *, data: bool) -> list[str]:
             "-e", "trace=" + ",".join(RECORD_SYSCALLS), "--"]
 
 
-def inject_argv(trace_file: Path, syscall: str, nth: int, *, action: str = "signal=KILL") -> list[str]:
-    """strace arguments that trace like record_argv (paths only) and inject `action` into this
-    thread's `nth` call of `syscall`."""
-    args = record_argv(trace_file, data=False)
+def inject_argv(trace_file: Path, syscall: str, nth: int, *, action: str = "signal=KILL",
+                data: bool = False) -> list[str]:
+    """strace arguments that trace like record_argv (paths only, or with `data`) and inject
+    `action` into this thread's `nth` call of `syscall`."""
+    args = record_argv(trace_file, data=data)
     return args[:-1] + ["-e", f"inject={syscall}:{action}:when={nth}", "--"]
 
 

@@ -69,3 +69,21 @@ def schedules(baseline: RecordedRun, *, max_crashes: int = 2) -> st.SearchStrate
     first = st.one_of(step_points(baseline), fs_points(baseline))
     rest = st.lists(later_points(), max_size=max_crashes - 1)
     return st.tuples(first, rest).map(lambda fr: (fr[0], *fr[1]))
+
+
+def error_points(baseline: RecordedRun, error: str) -> st.SearchStrategy[CrashPoint]:
+    """Writes, syncs and namespace changes inside a save (faults.error_points), most telling
+    first: the middle save, and in it the calls this error most often hits (a full disk fails
+    writes; network storage reports EIO at fsync)."""
+    from .faults import error_points as injectable
+    allowed = set(injectable(baseline))
+    first = ("write", "pwrite64", "writev") if error == "enospc" else ("fsync", "fdatasync")
+    kind = {n: baseline.ops[baseline.mutations[baseline.crash_points()[n]]].syscall for n in allowed}
+    ordered = [n for n in _ordered_fs(baseline, True) if n in allowed]
+    ordered.sort(key=lambda n: kind[n] not in first)   # stable: the middle save stays first within each group
+    return st.sampled_from(ordered or [0]).map(lambda n: CrashPoint("fs", n))
+
+
+def term_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
+    """Where a scheduler's SIGTERM arrives: inside a save, or between steps."""
+    return st.one_of(in_save_points(baseline), step_points(baseline))

@@ -18,7 +18,7 @@ from hypothesis import given, note, reject, seed, settings
 from hypothesis import strategies as st
 
 from .checks import CHECKS, Check, Session, skip_reason
-from .crash import format_schedule
+from .checks.registry import case_text
 from .failures import ConformanceFailure
 from .process import RunSpec
 from .scenario import CrashNotLanded, CrashPointMissing
@@ -81,8 +81,8 @@ def _make_test(check: Check):
             pytest.skip(reason)
         case = None
         if check.draw is not None:
-            case = data.draw(check.draw(session.baseline(spec), param), label="schedule")
-            note(f"schedule {format_schedule(case)}")
+            case = data.draw(check.draw(session.baseline(spec), param), label=check.case.name)
+            note(f"{check.case.name} {case_text(check, case)}")
         report = None
         try:
             check.decide(session, spec, param, case)

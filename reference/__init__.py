@@ -11,8 +11,9 @@
 """
 from .atomic import atomic_write, atomic_write_bytes, remove_stale_temps
 from .data_order import ResumableBatchSampler
-from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError,
+from .errors import (CheckpointError, CheckpointWriteError, CorruptCheckpointError, IncompleteCheckpointError,
                      InvalidIndexError, RNGRestoreError, SchemaError, UnsafeCheckpointError)
+from .preemption import PreemptionGuard
 from .manager import (CheckpointInfo, CheckpointManager, CheckpointSkippedWarning, latest_valid,
                       list_checkpoints, load, verify)
 from .rng import capture_rng, restore_rng
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CURRENT_SCHEMA", "CURRENT_VERSION", "CheckpointError", "CheckpointInfo", "CheckpointManager",
+    "CheckpointWriteError", "PreemptionGuard",
     "CheckpointSkippedWarning", "CorruptCheckpointError", "IncompleteCheckpointError",
     "InvalidIndexError", "RNGRestoreError", "ResumableBatchSampler", "SchemaError", "TrainState",
     "UnsafeCheckpointError", "atomic_write", "atomic_write_bytes", "capture", "capture_rng",

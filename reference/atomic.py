@@ -15,6 +15,8 @@ from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Callable
 
+from .errors import CheckpointWriteError, write_error
+
 # ".<final name>.tmp-<pid>-<16 hex>": the pid lets cleanup leave a live writer's file alone.
 # ASCII digits only ("\d" would also match other scripts' digits, which int() accepts), and
 # fullmatch: "$" alone also matches before a trailing newline.
@@ -143,11 +145,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[HashingWriter], None]
     """Atomically create or replace `path` with what `write(sink)` writes; returns (bytes, sha256).
 
     If `write`, a write(2), an fsync or the rename fails, the temp file is removed and `path` is
-    untouched.
+    untouched; an OS error is raised as CheckpointWriteError (an OSError too). If only the final
+    directory fsync fails, the new file is in place: the error says it was committed.
     """
     final = Path(path)
     tmp = temp_name_for(final)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise write_error(final, exc) from exc
     try:
         try:
             sink = HashingWriter(fd)
@@ -160,12 +166,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[HashingWriter], None]
         finally:
             os.close(fd)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointWriteError):
+            raise write_error(final, exc) from exc
         raise
     if sync_dir:
-        fsync_dir(final.parent)
+        try:
+            fsync_dir(final.parent)
+        except OSError as exc:
+            raise write_error(final, exc, committed=True) from exc
     return sink.bytes_written, sink.hexdigest()
 
 

@@ -35,3 +35,30 @@ class UnsafeCheckpointError(CheckpointError):
 
 class RNGRestoreError(CheckpointError):
     """RNG state could not be restored exactly; a resumed run would silently diverge."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Saving failed: a write, fsync, rename or mkdir returned an error (a full disk, a quota, EIO
+    from network storage). The message names the file and the error, and `errno` is the OS's (it
+    is an OSError too). `committed` says whether the new checkpoint was committed before the
+    failing step (a later directory fsync or retention); if not, nothing partial is left at a
+    final name and the previous checkpoint is untouched."""
+
+    def __init__(self, path: str | os.PathLike | None, problem: str, errno: int | None = None,
+                 committed: bool = False):
+        CheckpointError.__init__(self, path, problem)
+        self.errno, self.committed = errno, committed
+
+
+def write_error(path: str | os.PathLike, exc: OSError, committed: bool = False) -> CheckpointWriteError:
+    """A CheckpointWriteError for an OSError raised while saving to `path`."""
+    if isinstance(exc, CheckpointWriteError):
+        exc = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    name = os.strerror(exc.errno) if exc.errno else str(exc)
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    if committed:
+        problem = (f"the checkpoint was committed, but a later step of the save failed: [Errno {exc.errno}] "
+                   f"{name}{where}")
+    else:
+        problem = f"saving failed: [Errno {exc.errno}] {name}{where}; nothing was committed"
+    return CheckpointWriteError(path, problem, exc.errno, committed)

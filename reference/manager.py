@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .atomic import fsync_dir, is_temp_name, remove_stale_temps
-from .errors import CheckpointError
+from .errors import CheckpointError, write_error
 from .index import INDEX_NAME
 from .index import read_index
 from .sharded import GroupBy, check_sizes, load_sharded, save_sharded, verify_sharded
@@ -147,7 +147,10 @@ class CheckpointManager:
             save_sharded(payload, path, num_shards=self.num_shards, group_by=self.group_by,
                          max_workers=self.max_workers)
         self._last_save_time = self.clock()
-        self.apply_retention(just_saved=path)
+        try:
+            self.apply_retention(just_saved=path)
+        except OSError as exc:   # the new checkpoint is committed; an old one may be half deleted
+            raise write_error(path, exc, committed=True) from exc
         return path
 
     # -- finding ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from .atomic import atomic_write, atomic_write_bytes, fsync_dir, remove_stale_temps
-from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, write_error
 from .index import INDEX_NAME, META_NAME, build_index, encode_index, read_index
 from .integrity import SizeChanged, read_hashed, sha256_file
 from .loading import safe_torch_load
@@ -94,8 +94,10 @@ def save_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num_s
     try:
         return _write_sharded(payload, directory, num_shards=num_shards, group_by=group_by,
                               max_workers=max_workers)
-    except BaseException:
+    except BaseException as exc:
         _discard_uncommitted(directory, created)
+        if isinstance(exc, OSError):   # a file's error, reported for the checkpoint as a whole
+            raise write_error(directory, exc, committed=(directory / INDEX_NAME).exists()) from exc
         raise
 
 

@@ -127,7 +127,7 @@ def save_file(payload: dict[str, Any], path: str | os.PathLike) -> tuple[int, st
     check_supported(payload.get("schema"), os.fspath(path))
     # The whole-file sha256 (hashed while writing, checked before unpickling) covers every byte,
     # so no separate in-memory digest of the contents is computed: that was a second full pass.
-    return atomic_write(path, lambda sink: _write_with_checksum(payload, sink))
+    return atomic_write(path, lambda sink: _write_with_checksum(payload, sink))   # CheckpointWriteError
 
 
 def load_file(path: str | os.PathLike, map_location=None, *, verify: bool = True,

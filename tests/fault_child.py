@@ -10,8 +10,10 @@ library makes. Importing torch once and forking per scenario keeps the whole run
 This process itself must not make the injected calls: it reports with pwrite(2), not write(2),
 and never fsyncs, renames or unlinks.
 
-Exit codes of a scenario child: 0 the action returned, 10 OSError ENOSPC, 11 OSError EIO,
-12 other OSError, 13 CheckpointError, 14 any other exception; killed children report -signal.
+Exit codes of a scenario child: 0 the action returned; 20 CheckpointWriteError ENOSPC, 21 EIO,
+22 another errno, plus 5 if the error says the checkpoint was committed first (25, 26, 27); 10
+plain OSError ENOSPC, 11 EIO, 12 other OSError (untyped: the library should never let these out);
+13 other CheckpointError, 14 any other exception; killed children report -signal.
 Calibration scenarios exit with the number of successful calls before the first failure.
 """
 from __future__ import annotations
@@ -122,6 +124,8 @@ def _run_child(scenario: dict, pad_target: int, payloads: dict) -> int:
         _pad(scenario["syscall"], pad_target - scenario["nth"], scratch)
     try:
         _act(scenario, payloads)
+    except reference.CheckpointWriteError as exc:   # the typed error (an OSError too)
+        return {errno.ENOSPC: 20, errno.EIO: 21}.get(exc.errno, 22) + (5 if exc.committed else 0)
     except OSError as exc:
         return {errno.ENOSPC: 10, errno.EIO: 11}.get(exc.errno, 12)
     except reference.CheckpointError:

@@ -12,13 +12,16 @@ from conformance import bench
 from conformance.readme import MarkerMissing, replace_section
 
 
-def _result(trial=0.08, states=1200.0, ci=60.0):
+def _result(trial=0.08, states=1200.0, ci=60.0, power=1500.0):
     return {"trial_vs_import": trial, "integrity_states_per_min": states, "ci_profile_seconds": ci,
+            "power_loss_states_per_min": power,
             "targets_met": {"trial_vs_import": bench._met("trial_vs_import", trial),
                             "integrity_states_per_min": bench._met("integrity_states_per_min", states),
+                            "power_loss_states_per_min": bench._met("power_loss_states_per_min", power),
                             "ci_profile_seconds": bench._met("ci_profile_seconds", ci)},
             "details": {"bare_import_torch_s": 2.0, "warm_trial_s": 0.16, "fresh_trial_s": 8.0, "fresh_vs_warm": 50.0,
                         "crash_states": 121, "crash_states_seconds": 6.0, "state_workers": 2,
+                        "power_loss_states": 188, "power_loss_seconds": 7.5,
                         "ci": {"summary": "11 passed", "covers_every_fs_op_of_a_save": True,
                                "crash_states_checked": 121, "recorded_operations": 105},
                         "repeats": 7, "fresh_repeats": 3, "load_avg_before_after": [0.5, 0.9],
@@ -32,6 +35,7 @@ def test_targets_and_markdown_table():
     md = bench.format_markdown(_result(states=900.0), "python -m conformance.bench")
     assert "| `trial_vs_import` | 0.080 | <= 0.1 | yes |" in md
     assert "| `integrity_states_per_min` | 900 | >= 1000 | no |" in md
+    assert "| `power_loss_states_per_min` | 1500 | >= 1000 | yes |" in md
     assert "every fs op of a save covered: yes (121 states / 105 recorded ops)" in md
 
 
@@ -52,6 +56,6 @@ def test_the_readme_updater_imports_no_torch():
 def test_bench_help_names_the_json_keys():
     out = subprocess.run([sys.executable, "-m", "conformance.bench", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
-    for key in ("trial_vs_import", "integrity_states_per_min", "ci_profile_seconds"):
+    for key in ("trial_vs_import", "integrity_states_per_min", "power_loss_states_per_min", "ci_profile_seconds"):
         assert key in out.stdout
     json.dumps(_result())  # the result is plain JSON

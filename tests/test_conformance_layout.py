@@ -16,7 +16,7 @@ LAYERS = [
     {"crash", "process", "strace", "settings", "evidence", "readme", "adapters", "corrupt", "child"},
     {"recording", "alignment", "failures", "plots"},
     {"runners", "forkserver"},
-    {"scenario", "crash_states", "strategies"},
+    {"scenario", "crash_states", "powerloss", "faults", "strategies"},
     {"checks"},
     {"expected", "report", "suite", "plugin", "__main__", "bench", "test_conformance", "__init__", "usage"},
 ]

@@ -1,8 +1,8 @@
 """Faults injected at the syscall level with strace, in a real process.
 
-* write(2) failing with ENOSPC and fsync(2) failing with EIO at the n-th call of a save: the save
-  raises the OSError, the previous checkpoint still verifies, nothing partial is left at a final
-  name and no temp file remains.
+* write(2), fsync(2) and rename(2) failing with ENOSPC or EIO at each call of a save: the save
+  raises CheckpointWriteError (typed, naming the error; an OSError too), the previous checkpoint
+  still verifies, nothing partial is left at a final name and no temp file remains.
 * the same with a multi-threaded sharded save (strace counts `when=` per thread: every worker's
   first write fails).
 * SIGKILL at a write, a rename (index.json's temp file included), or an unlink/unlinkat/rmdir of
@@ -30,7 +30,6 @@ from tests.strategies import trainer_payload
 STRACE = shutil.which("strace")
 CHILD = Path(__file__).resolve().parent / "fault_child.py"
 PAD = 200  # the `when=` of every injection; scenarios pad up to it (see fault_child.py)
-ENOSPC_EXIT, EIO_EXIT = 10, 11
 
 
 @pytest.fixture
@@ -80,30 +79,33 @@ def _series_boundary(results: dict[str, int], ids: list[str]) -> int:
     return w
 
 
-# -- ENOSPC at write(2), EIO at fsync(2) -------------------------------------------------------------
+# -- ENOSPC and EIO at every write(2), fsync(2) and rename(2) of a save ----------------------------
 
 ERROR_SERIES = [
-    # (name, action, layout, syscall, the n to try). A small save makes one write(2) per file
-    # (HashingWriter coalesces), so the late n fall past the end and must succeed.
-    ("file-write", "save_file", "file", "write", [1, 2, 3]),
-    ("file-fsync", "save_file", "file", "fsync", [1, 2, 3]),
-    ("sharded-write", "save_sharded", "sharded", "write", [1, 2, 3, 4, 5]),
-    ("sharded-fsync", "save_sharded", "sharded", "fsync", [1, 2, 3, 4, 5, 6, 7, 8]),
-    ("manager-write", "manager_save", "sharded", "write", [1, 4, 5]),
-    # the manager's fsyncs after the commit point: the directory's, then retention's
-    ("manager-fsync", "manager_save", "sharded", "fsync", [1, 7, 8, 9, 10]),
+    # (name, action, layout, the n to try). A small save makes one write(2) per file (HashingWriter
+    # coalesces), so the late n fall past the end and must succeed.
+    ("file", "save_file", "file", {"write": [1, 2, 3], "fsync": [1, 2, 3], "rename": [1, 2]}),
+    ("sharded", "save_sharded", "sharded", {"write": [1, 2, 3, 4, 5], "fsync": [1, 2, 3, 4, 5, 6, 7, 8],
+                                            "rename": [1, 2, 3, 4, 5]}),
+    # the manager's calls after the commit point: the directory's fsync, then retention's
+    ("manager", "manager_save", "sharded", {"write": [1, 4, 5], "fsync": [1, 7, 8, 9, 10],
+                                            "rename": [1, 4, 5, 6]}),
 ]
+TYPED = {"ENOSPC": 20, "EIO": 21}
+COMMITTED = 5
 
 
 @pytest.mark.needs_strace
-def test_write_and_fsync_errors_during_a_save(strace, tmp_path):
-    scenarios = [{"id": "cal-write", "action": "calibrate", "syscall": "write", "nth": 3,
-                  "scratch": str(tmp_path / "cal-w")},
-                 {"id": "cal-fsync", "action": "calibrate", "syscall": "fsync", "nth": 2,
-                  "scratch": str(tmp_path / "cal-f")}]
+@pytest.mark.parametrize("syscall", ["write", "fsync", "rename"])
+@pytest.mark.parametrize("error", ["ENOSPC", "EIO"])
+def test_every_write_fsync_and_rename_of_a_save_fails_cleanly(strace, tmp_path, syscall, error):
+    """Each call of a save failing in turn: the save raises CheckpointWriteError naming the
+    error, the previous checkpoint is intact (or, past the commit point, the new one is complete
+    and the error says so), and no temp file is left."""
+    scenarios = [{"id": "cal", "action": "calibrate", "syscall": syscall, "nth": 3, "scratch": str(tmp_path / "cal")}]
     cases = {}
-    for name, action, layout, syscall, ns in ERROR_SERIES:
-        for n in ns:
+    for name, action, layout, series in ERROR_SERIES:
+        for n in series[syscall]:
             sid = f"{name}-{n}"
             root = tmp_path / sid
             run = _prepare(root, layout)
@@ -111,49 +113,49 @@ def test_write_and_fsync_errors_during_a_save(strace, tmp_path):
             scenarios.append({"id": sid, "action": action, "layout": layout, "syscall": syscall,
                               "nth": n, "step": 2, "target": str(target), "run_dir": str(run),
                               "keep_last": 1, "workers": 1, "scratch": str(root / "scratch")})
-            cases[sid] = (run, target, syscall)
-    # overwriting an existing single file in place: the old one must survive a failed write
-    root = tmp_path / "overwrite"
-    run = _prepare(root, "file")
-    scenarios.append({"id": "overwrite", "action": "save_file", "syscall": "write", "nth": 1, "step": 2,
-                      "target": str(run / "step-00000001.pt"), "scratch": str(root / "scratch")})
+            cases[sid] = (run, target)
+    if syscall == "write":   # overwriting an existing single file in place: the old one must survive
+        root = tmp_path / "overwrite"
+        run = _prepare(root, "file")
+        scenarios.append({"id": "overwrite", "action": "save_file", "syscall": "write", "nth": 1, "step": 2,
+                          "target": str(run / "step-00000001.pt"), "scratch": str(root / "scratch")})
 
-    results = _run_plan(tmp_path, [f"write:error=ENOSPC:when={PAD}", f"fsync:error=EIO:when={PAD}"],
-                        scenarios)
+    results = _run_plan(tmp_path, [f"{syscall}:error={error}:when={PAD}"], scenarios)
+    assert results["cal"] == 2, results   # the mechanism: a forked child's n-th call gets the injection
 
-    # the mechanism: a forked child's n-th call gets the injection
-    assert results["cal-write"] == 2 and results["cal-fsync"] == 1, results
-
-    for sid, (run, target, syscall) in cases.items():
+    for sid, (run, target) in cases.items():
         code = results[sid]
-        assert code in (0, ENOSPC_EXIT if syscall == "write" else EIO_EXIT), (sid, code)
+        assert code in (0, TYPED[error], TYPED[error] + COMMITTED), (sid, code)   # never an untyped OSError
         previous = run / ("step-00000001.pt" if target.suffix == ".pt" else "step-00000001")
         if code == 0:
             reference.verify(target)
             assert reference.load(target)["counters"]["global_step"] == 2
             continue
-        # nothing partial at a final name: the new checkpoint is absent, or (only when an fsync
-        # after its commit point failed: the directory fsync, or retention's) complete and valid
-        if target.exists():
-            assert syscall == "fsync", (sid, sorted(p.name for p in run.iterdir()))
+        if code == TYPED[error] + COMMITTED:
+            # only after the commit point (a directory fsync, or retention): the new one is whole
+            assert syscall in ("fsync", "rename") and target.exists(), (sid, sorted(p.name for p in run.iterdir()))
             reference.verify(target)
             assert reference.latest_valid(run).step == 2
         else:
+            assert not target.exists(), (sid, sorted(p.name for p in run.iterdir()))
             reference.verify(previous)  # the previous checkpoint is intact
             assert reference.latest_valid(run).step == 1
             assert sorted(p.name for p in run.iterdir()) == [previous.name], sid
         assert _temps(run) == [], (sid, _temps(run))
 
     # each series: the first W calls fail, the rest succeed; every file needs at least one call
-    for name, action, layout, syscall, ns in ERROR_SERIES:
-        w = _series_boundary(results, [f"{name}-{n}" for n in ns])
-        files = 2 if layout == "file" else 4  # data + checksum / 2 shards, meta.pt, index.json
-        assert w >= 1 and ns[w - 1] >= files and w < len(ns), (name, w)
+    for name, action, layout, series in ERROR_SERIES:
+        w = _series_boundary(results, [f"{name}-{n}" for n in series[syscall]])
+        assert w >= 1 and w < len(series[syscall]), (name, w)
+        if syscall != "fsync" or name != "manager":
+            files = (2 if syscall == "write" else 1) if layout == "file" else 4   # shards, meta.pt, index.json
+            assert series[syscall][w - 1] >= files, (name, w)
 
-    assert results["overwrite"] == ENOSPC_EXIT
-    reference.verify(tmp_path / "overwrite" / "run" / "step-00000001.pt")
-    assert reference.load(tmp_path / "overwrite" / "run" / "step-00000001.pt")["counters"]["global_step"] == 1
-    assert _temps(tmp_path / "overwrite" / "run") == []
+    if syscall == "write":
+        assert results["overwrite"] == TYPED[error]
+        reference.verify(tmp_path / "overwrite" / "run" / "step-00000001.pt")
+        assert reference.load(tmp_path / "overwrite" / "run" / "step-00000001.pt")["counters"]["global_step"] == 1
+        assert _temps(tmp_path / "overwrite" / "run") == []
 
 
 @pytest.mark.needs_strace
@@ -169,7 +171,7 @@ def test_write_error_in_every_writer_thread(strace, tmp_path):
                           "scratch": str(root / "scratch")})
     results = _run_plan(tmp_path, ["write:error=ENOSPC:when=1"], scenarios)
     for sid, run in runs.items():
-        assert results[sid] == ENOSPC_EXIT, (sid, results[sid])
+        assert results[sid] == TYPED["ENOSPC"], (sid, results[sid])
         assert sorted(p.name for p in run.iterdir()) == ["step-00000001"], sid
         reference.verify(run / "step-00000001")
         assert _temps(run) == []

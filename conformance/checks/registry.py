@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from .. import strategies
 from ..corrupt import KINDS
-from ..crash import Schedule, format_schedule, parse_schedule
+from ..crash import CrashPoint, Schedule, format_schedule, parse_schedule
 from ..failures import ConformanceFailure, stderr_tail
 from ..process import RunSpec
 from ..runners import ProcessOverran
-from . import damage, determinism, legacy, schedules, states, untrusted
+from . import damage, determinism, legacy, power, preemption, schedules, states, storage, untrusted
 from .session import Session
 
 
@@ -60,6 +60,8 @@ class Check:
 
 
 _SCHEDULE = CaseOption("schedule", "crash schedule, e.g. fs:9,step:4", parse_schedule, required=True)
+_STATE = CaseOption("state", "one state, by label (e.g. 37, or 37t for a torn write)")
+_POINT = CaseOption("point", "one fault point, e.g. fs:9 or step:4", CrashPoint.parse, required=True)
 
 
 def _no_lost_work_points(baseline, where: str) -> st.SearchStrategy[Schedule]:
@@ -94,8 +96,28 @@ CHECKS: tuple[Check, ...] = (
           "every state a kill can leave during a whole run (before each recorded filesystem operation, and "
           "with each write torn in half), rebuilt offline from one recording: the trainer resumes from the "
           "newest committed checkpoint (or the interrupted one, if complete) and its next step matches",
-          "conformance/checks/states.py", states.crash_states_check, needs=("trace",),
-          case=CaseOption("state", "one crash state, by label (e.g. 37 or 37t)")),
+          "conformance/checks/states.py", states.crash_states_check, needs=("trace",), case=_STATE),
+    Check("power_loss",
+          "every state a power cut before a recorded operation leaves, rebuilt offline: `data` keeps only "
+          "fsynced bytes (directory operations persist in order), `strict` also rolls back directory entries "
+          "whose directory was not fsynced after them; the trainer never loads bad data, never crash-loops "
+          "while an intact checkpoint exists, and resumes from at least the newest save that had completed "
+          "(the next step was logged)",
+          "conformance/checks/power.py", power.power_loss, params=("data", "strict"), needs=("trace",),
+          case=_STATE),
+    Check("io_error",
+          "a write, fsync, rename or mkdir of a save fails with ENOSPC or EIO: the trainer exits non-zero "
+          "naming the error or goes on training; it never renames a file into place after its fsync failed "
+          "(fsyncgate); the next start resumes from at least the checkpoint committed before the failure and "
+          "matches the baseline",
+          "conformance/checks/storage.py", storage.io_error, params=("enospc", "eio"), needs=("trace",),
+          precondition="operations", draw=strategies.error_points, case=_POINT),
+    Check("preemption",
+          "SIGTERM at a step or inside a save, SIGKILL after --grace-seconds: the trainer never exits 0 before "
+          "TOTAL_STEPS, and the next start resumes correctly; with capability `preemption_save` it exits within "
+          "the grace period and the next start loses no step",
+          "conformance/checks/preemption.py", preemption.preemption, needs=("trace",), precondition="operations",
+          draw=lambda b, _: strategies.term_points(b), case=_POINT),
     Check("corruption_detected",
           "the largest file of the newest checkpoint that a resume reads is truncated, bit-flipped (top "
           "exponent bit of every float tensor's first element) or deleted: the trainer falls back to an "

@@ -20,7 +20,7 @@ from ..process import RunSpec
 from ..recording import RecordedRun
 from ..runners import Limits, ProcessOverran, Runner, WarmRunner, traced_run
 from ..scenario import CrashNotLanded, CrashPointMissing, run_schedule
-from ..settings import DEFAULT_TOL
+from ..settings import DEFAULT_GRACE_S, DEFAULT_TOL
 from ..strace import strace_problem
 
 SCRATCH_MIN_FREE = 2 << 30
@@ -40,7 +40,8 @@ class Session:
     """One trainer under test, with a per-session cache of the runs every check needs."""
 
     def __init__(self, adapter: TrainerAdapter, workdir: Path | None = None, runner: Runner | None = None,
-                 tol: float = DEFAULT_TOL, plot_dir: Path | None = None, process_timeout: float | None = None):
+                 tol: float = DEFAULT_TOL, plot_dir: Path | None = None, process_timeout: float | None = None,
+                 grace_s: float = DEFAULT_GRACE_S):
         self.adapter = adapter
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="conformance-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -49,6 +50,7 @@ class Session:
         self.runner: Runner = runner or WarmRunner()
         self.tol = tol
         self.process_timeout = process_timeout
+        self.grace_s = grace_s   # how long a SIGTERMed trainer may run before SIGKILL (preemption)
         # Until a baseline has run, nothing is known of the trainer's speed: generous limits.
         self.runner.limits = Limits(total_s=process_timeout or 600.0,
                                     stall_s=process_timeout / 2 if process_timeout else 120.0)

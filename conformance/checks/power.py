@@ -1,0 +1,158 @@
+"""power_loss[data|strict]: the state a power cut before each recorded operation leaves, under
+two persistence models (powerloss.py), each decided by a short resume.
+
+In each state the trainer must:
+- never load bad data: its next steps match the baseline, or it exits non-zero with a message;
+- never crash-loop while an intact checkpoint exists;
+- keep durable saves: resume from at least the newest checkpoint whose save had completed before
+  the cut. A save has completed when the trainer logged the next step: it has moved on, believing
+  the save safe.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .. import evidence, powerloss
+from ..crash_states import CrashState, probe_specs, save_files
+from ..failures import stderr_tail
+from ..process import ProcessResult, RunSpec
+from ..recording import UnreplayableTrace
+from .session import Session
+from .states import MAX_STATE_FAILURES, STATE_WORKERS, resumed_past
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerState:
+    before: int
+    description: str
+    completed: int               # newest save completed (next step logged) before the cut
+    in_progress: int | None
+    intact: tuple[int, ...]      # saves whose every file survives the cut with its bytes
+    lost: str                    # what the cut lost of the completed save, for messages
+
+    @property
+    def label(self) -> str:
+        return str(self.before)
+
+
+def _what_was_lost(cut: powerloss.Cut, files: dict[str, bytes]) -> str:
+    reasons = []
+    for path, data in sorted(files.items()):
+        if path not in cut.files:
+            parent = next((why for p, why in cut.lost_entries.items() if path == p or path.startswith(p + "/")), None)
+            reasons.append(f"`{path}` is missing: " + (parent or "its directory entry did not persist"))
+        elif cut.files[path] != data:
+            left = cut.files[path]
+            size = (f"{len(left)} of {len(data)} bytes left" if len(left) != len(data) else
+                    "full length, but zeros where its unsynced data was")
+            reasons.append(f"`{path}`: " + (f"{cut.lost_data[path]}" if path in cut.lost_data else "holds other bytes")
+                           + f" ({size})")
+    return "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} more" if len(reasons) > 3 else "")
+
+
+def power_states(session: Session, spec: RunSpec, model: str) -> tuple[list[PowerState], dict[int, powerloss.Cut]]:
+    run = session.baseline(spec)
+    finals = save_files(run)
+    states, cuts = [], {}
+    for i, cut in powerloss.cuts(run, model):
+        intact = tuple(s for s, files in sorted(finals.items())
+                       if files and all(cut.files.get(p) == b for p, b in files.items()))
+        completed = run.committed_before(i)
+        lost = _what_was_lost(cut, finals.get(completed, {})) if completed and completed not in intact else ""
+        op = run.ops[i]
+        states.append(PowerState(i, f"power cut before op #{i} ({run.role(i)}: {op.describe()})", completed,
+                                 run.in_progress(i), intact, lost))
+        cuts[i] = cut
+    return states, cuts
+
+
+def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[int, float], tol: float) -> str | None:
+    c = state.completed
+    durable = (f"the save of step {c} had completed (step {c + 1} was logged) before the power cut"
+               + (f"; {state.lost}" if state.lost else ""))
+    if result.returncode != 0:
+        if state.intact:
+            return (f"the trainer exited {result.returncode} although the checkpoint of step {max(state.intact)} "
+                    "is intact: it would crash-loop instead of falling back" + (f" ({durable})" if c else ""))
+        if c:
+            return f"{durable}, and the trainer could not resume (exit {result.returncode})"
+        return None if result.stderr.strip() else f"the trainer exited {result.returncode} without a message"
+    if result.first_step is None:
+        return "the trainer exited 0 without training: it resumed from a step later than any checkpoint on disk"
+    resumed = result.first_step - 1
+    if resumed < c:
+        what = "from scratch" if resumed == 0 else f"from step {resumed}"
+        return f"{durable}; after it the trainer resumed {what}"
+    bad = [(s, loss) for s, loss in sorted(result.losses.items()) if not abs(loss - baseline.get(s, float("nan"))) <= tol]
+    if bad:
+        s, loss = bad[0]
+        return (f"the trainer resumed from step {resumed} but its loss at step {s} is {loss:.8g}, baseline "
+                f"{baseline.get(s, float('nan')):.8g}: it loaded data the power cut had damaged")
+    return None
+
+
+def decide_power_state(session: Session, spec: RunSpec, state: PowerState, cut: powerloss.Cut, directory: Path
+                       ) -> tuple[str | None, ProcessResult]:
+    run = session.baseline(spec)
+    ckpt, log = (directory / "ckpt").resolve(), (directory / "loss.jsonl").resolve()
+    newest = max(state.intact + (state.completed,))
+    probe_state = CrashState(state.before, False, state.description, newest,
+                             state.in_progress if state.in_progress and state.in_progress > newest else None)
+    for probe in probe_specs(spec, probe_state):
+        cut.materialize(ckpt)
+        log.unlink(missing_ok=True)
+        result = session.runner.run_process(session.adapter, probe, ckpt, log)
+        if not resumed_past(result):
+            break
+    problem = judge_power_state(state, result, run.losses, session.tol)
+    if problem and result.returncode == 0 and result.first_step and result.first_step - 1 >= state.completed \
+            and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
+        problem = None   # whole checkpoint: any divergence is resume_matches_baseline's
+    return problem, result
+
+
+def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: str | None = None) -> int:
+    """Every state a power cut can leave during one recorded run, under `model`."""
+    try:
+        states, cuts = power_states(session, spec, model)
+    except UnreplayableTrace as exc:
+        raise session.fail(check, spec, f"the recorded run cannot be replayed offline: {exc}",
+                           details="  (an unreplayable recording is reported, never passed)") from None
+    if only is not None:
+        states = [s for s in states if s.label == only]
+        if not states:
+            raise ValueError(f"no power-loss state {only!r}: labels are op numbers")
+    root = session.case_dir(f"power-{model}")
+
+    def check_one(state: PowerState):
+        d = Path(tempfile.mkdtemp(prefix=f"power-{state.label}-", dir=root))
+        problem, result = decide_power_state(session, spec, state, cuts[state.before], d)
+        if problem is None:
+            shutil.rmtree(d, ignore_errors=True)
+        return state, problem, result
+
+    failures = []
+    with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
+        for state, problem, result in pool.map(check_one, states):
+            if problem:
+                failures.append((state, problem, result))
+                if len(failures) >= MAX_STATE_FAILURES:
+                    pool.shutdown(cancel_futures=True)
+                    break
+    evidence.record(evidence.PowerLoss(model=model, states=len(states), failed=len(failures),
+                                       failing=tuple(s.label for s, _, _ in failures)))
+    if failures:
+        state, problem, result = failures[0]
+        others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])
+        raise session.fail(
+            check, spec, f"after a {state.description}, {problem}",
+            details=f"  model: {model} ({'unsynced data lost' if model == 'data' else 'unsynced data and unsynced directory entries lost'})"
+                    f"\n  intact checkpoints in that state: {', '.join(f'step {s}' for s in state.intact) or 'none'}"
+                    + f"\n  stderr:\n{stderr_tail(result.stderr)}"
+                    + (f"\n  other failing states (first {MAX_STATE_FAILURES}):{others}" if others else ""),
+            case={"state": state.label})
+    return len(states)

@@ -1,0 +1,60 @@
+"""preemption: a scheduler's SIGTERM at a step boundary or inside a save, SIGKILL after the grace
+period if the trainer is still running (SLURM's KillWait, Kubernetes' terminationGracePeriod),
+then a fresh start.
+
+- Whatever the trainer does on SIGTERM (nothing, save and exit, finish the current save and
+  exit), the next start resumes correctly: from at least the newest committed checkpoint, on the
+  baseline's curve.
+- Exiting 0 on SIGTERM before TOTAL_STEPS is a failure: Kubernetes marks such a Job Completed and
+  never restarts the training.
+- With capability `preemption_save` (the trainer says it saves on SIGTERM): it exits within the
+  grace period, and the next start resumes from the last step it logged, losing nothing.
+"""
+from __future__ import annotations
+
+from .. import evidence
+from ..crash import CrashPoint
+from ..failures import format_mismatches, loss_mismatches, stderr_tail
+from ..faults import run_fault
+from ..process import RunSpec
+from ..runners import Stop
+from .session import Session
+
+
+def preemption(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
+    baseline = session.baseline(spec)
+    outcome = run_fault(session.runner, session.adapter, spec, point, "signal=TERM", session.case_dir("preempt"),
+                        baseline, stop=Stop(grace_s=session.grace_s))
+    kill, first, final = outcome.planned, outcome.first, outcome.final
+    last = max(first.losses, default=0)
+    where = (f"SIGTERM at {kill.text}" + (f", inside the save of step {kill.in_progress}" if kill.in_progress else "")
+             + f"; newest committed checkpoint then: step {kill.newest_committed}")
+    evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault="SIGTERM",
+                                   first_exit=first.returncode, went_on=bool(first.stopped),
+                                   resumed_from=outcome.resumed_from, final_exit=final.returncode))
+
+    def fail(problem: str, details: str = ""):
+        return session.fail(check, spec, problem, details=f"  fault: {where}\n" + details, case={"point": str(point)})
+
+    if first.returncode == 0 and last < spec.total_steps:
+        raise fail(f"on SIGTERM the trainer exited 0 at step {last} of {spec.total_steps}: a scheduler (Kubernetes "
+                   "marks the Job Completed) would never restart it; exit non-zero (128+15) instead")
+    saves_on_term = session.adapter.has("preemption_save")
+    if saves_on_term and first.stopped:
+        raise fail(f"the trainer declares 'preemption_save' but was still running {session.grace_s:g} s after SIGTERM "
+                   "(SIGKILLed at the end of the grace period)", "  stderr:\n" + stderr_tail(first.stderr))
+    r = outcome.resumed_from
+    if final.returncode != 0:
+        raise fail(f"after the SIGTERM the next start could not resume (exit {final.returncode})",
+                   "  stderr:\n" + stderr_tail(final.stderr))
+    if r < kill.newest_committed:
+        raise fail(f"after the SIGTERM the next start resumed {'from scratch' if r == 0 else f'from step {r}'}, "
+                   f"older than the checkpoint of step {kill.newest_committed} committed before it")
+    if saves_on_term and r != last:
+        raise fail(f"the trainer declares 'preemption_save': it had logged step {last} when it exited, but the next "
+                   f"start resumed from step {r}" + (" (a second save started inside the first, or left it torn?)"
+                                                     if kill.in_progress else ""))
+    rows = loss_mismatches(baseline.losses, final.losses, session.tol)
+    if rows and not (r > 0 and session.same_as_plain_resume(spec, r, final.losses)):
+        raise fail(f"after the SIGTERM the next start resumed from step {r} and diverges: it loaded incomplete state",
+                   "  first differing steps:\n" + format_mismatches(rows))

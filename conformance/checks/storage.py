@@ -1,0 +1,77 @@
+"""io_error[enospc|eio]: a write, sync, rename or mkdir of a save fails (a full disk, a quota,
+network storage returning EIO), then the trainer starts again on what it left.
+
+- The trainer notices: it exits non-zero naming the error, or it goes on training (the suite
+  stops it once it logs the next step) and the failed save never becomes a checkpoint that loads
+  bad data.
+- After a failed fsync the data may be gone even if a retried fsync succeeds (fsyncgate): renaming
+  that file into place is a failure.
+- The previous checkpoint stays loadable: the next start resumes from at least the newest save
+  committed before the failure, exits 0 and matches the baseline.
+"""
+from __future__ import annotations
+
+import re
+
+from .. import evidence
+from ..crash import CrashPoint
+from ..failures import format_mismatches, loss_mismatches, stderr_tail
+from ..faults import ERRNOS, committed_after_failed_sync, run_fault
+from ..process import RunSpec
+from ..scenario import plan
+from .session import Session
+
+_NAMES = {"ENOSPC": r"No space left on device|ENOSPC|Errno 28\b|errno 28\b",
+          "EDQUOT": r"Disk quota exceeded|EDQUOT|Errno 122\b|errno 122\b",
+          "EIO": r"Input/output error|\bEIO\b|Errno 5\b|errno 5\b"}
+
+
+def io_error(session: Session, check: str, spec: RunSpec, param: str, point: CrashPoint) -> None:
+    errno = ERRNOS[param]
+    baseline = session.baseline(spec)
+    save = point_save(baseline, point) or spec.total_steps
+    outcome = run_fault(session.runner, session.adapter, spec, point, f"error={errno}", session.case_dir(f"io-{param}"),
+                        baseline, went_on_until=save + 1)
+    kill, first, final = outcome.planned, outcome.first, outcome.final
+    s, prev = kill.in_progress, kill.newest_committed
+    where = f"{errno} injected into {kill.text}, inside the save of step {s}"
+    went_on = first.returncode == 0 and max(first.losses, default=0) >= spec.total_steps
+    evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault=errno,
+                                   first_exit=first.returncode, went_on=went_on, resumed_from=outcome.resumed_from,
+                                   final_exit=final.returncode))
+
+    def fail(problem: str, details: str = ""):
+        return session.fail(check, spec, problem, details=f"  fault: {where}\n" + details, case={"point": str(point)})
+
+    if not went_on:
+        if first.returncode == 0:
+            raise fail(f"after {errno} the trainer exited 0 at step {max(first.losses, default=0)} of "
+                       f"{spec.total_steps}: a failed save reported as success")
+        if first.returncode != 0 and not re.search(_NAMES[errno], first.stderr):
+            raise fail(f"after {errno} the trainer exited {first.returncode} without naming the error on stderr",
+                       "  stderr:\n" + stderr_tail(first.stderr))
+    sync = committed_after_failed_sync(outcome.first_run)
+    if sync:
+        raise fail(f"the trainer committed a file whose fsync failed: {sync}; after a failed fsync the kernel may "
+                   "have dropped the data (fsyncgate), so the save must be abandoned or written anew")
+    what = "went on training" if went_on else f"exited {first.returncode}"
+    r = outcome.resumed_from
+    if final.returncode != 0:
+        raise fail(f"after the failed save the trainer {what}; the next start could not resume (exit "
+                   f"{final.returncode})" + (f" although the checkpoint of step {prev} had been committed before the "
+                                            "failure" if prev else ""), "  stderr:\n" + stderr_tail(final.stderr))
+    if r < prev:
+        raise fail(f"after the failed save the trainer {what}; the next start resumed "
+                   f"{'from scratch' if r == 0 else f'from step {r}'}: the checkpoint of step {prev}, committed "
+                   "before the failure, was lost (deleted or overwritten after the failed save?)")
+    rows = loss_mismatches(baseline.losses, final.losses, session.tol)
+    if rows and not (r > 0 and session.same_as_plain_resume(spec, r, final.losses)):
+        raise fail(f"after the failed save the trainer {what}; the next start resumed from step {r} and diverges: "
+                   + ("it loaded the failed save" if r == s else "it loaded damaged state"),
+                   "  first differing steps:\n" + format_mismatches(rows))
+
+
+def point_save(baseline, point: CrashPoint) -> int | None:
+    """The save an `fs:i` point falls in."""
+    kill = plan(point, baseline)
+    return kill.in_progress if kill else None

@@ -1,0 +1,121 @@
+"""Faults other than a kill, delivered at an operation of a recorded run: a storage error
+(strace `error=ENOSPC|EDQUOT|EIO`) or a scheduler's SIGTERM (strace `signal=TERM`, then SIGKILL
+after a grace period), followed by a fresh start on the same directory.
+
+Points are planned exactly like kills (scenario.plan) and, like kills, proven to land: the faulted
+process is traced and aligned with its planned run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from . import alignment, recording, strace
+from .adapters import TrainerAdapter
+from .crash import CrashPoint
+from .process import ProcessResult, RunSpec
+from .runners import Runner, Stop
+from .crash_states import Replayer
+from .scenario import CrashNotLanded, PlannedKill, plan
+
+ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
+# Syscalls an error can be injected into: the writes, syncs and namespace changes of a save.
+ERROR_SYSCALLS = frozenset({"write", "pwrite64", "writev", "pwritev", "pwritev2", "fsync", "fdatasync",
+                            "rename", "renameat", "renameat2", "mkdir", "mkdirat"})
+
+
+@dataclasses.dataclass
+class FaultOutcome:
+    spec: RunSpec
+    point: CrashPoint
+    action: str                      # "error=ENOSPC", "signal=TERM"
+    planned: PlannedKill
+    first: ProcessResult             # the faulted process
+    first_run: recording.RecordedRun  # what it did (paths only)
+    final: ProcessResult             # the next start, run to the end
+
+    @property
+    def resumed_from(self) -> int:
+        return self.final.resumed_from(self.spec)
+
+
+def error_points(run: recording.RecordedRun) -> list[int]:
+    """Ordinals (the `fs:i` numbering) of the crash points an error can be injected into:
+    writes, syncs and namespace changes inside a save."""
+    points = run.crash_points()
+    return [n for n, k in enumerate(points) if run.ops[run.mutations[k]].syscall in ERROR_SYSCALLS
+            and run.ops[run.mutations[k]].after_step]
+
+
+def _landed(kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun, *, error: bool) -> None:
+    """Raise CrashNotLanded unless the fault hit the planned operation after the same operations."""
+    k = kill.mutations_before
+    if kill.point.kind == "step":
+        lined_up = alignment.align(planned, landed, upto=k)
+        if lined_up.divergence is not None:
+            raise CrashNotLanded(f"fault at {kill.point} did not land at {kill.text}: "
+                                 + lined_up.divergence.describe("planned run", "faulted run"))
+        return
+    if k >= len(landed.mutations):
+        raise CrashNotLanded(f"fault at {kill.point} (planned: {kill.text}) was not delivered: the faulted process "
+                             f"made only {len(landed.mutations)} operations")
+    hit = landed.ops[landed.mutations[k]]
+    lined_up = alignment.align(planned, landed, upto=k + 1)
+    if lined_up.divergence is not None or (error and not hit.error):
+        why = lined_up.divergence.describe("planned run", "faulted run") if lined_up.divergence else \
+            f"operation #{k} did not fail ({hit.describe()})"
+        raise CrashNotLanded(f"fault at {kill.point} did not land at {kill.text}: {why}")
+
+
+def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: CrashPoint, action: str,
+              workdir: Path, baseline: recording.RecordedRun, *, stop: Stop | None = None,
+              went_on_until: int | None = None) -> FaultOutcome:
+    """Fault one process at `point` with `action`, then start the trainer again on what it left.
+
+    With `went_on_until`=k, the faulted process is recorded with its data, and if it goes on
+    training (exit 0) the next start runs on the directory as it was when the process had logged
+    step k (rebuilt offline from that recording: exact, where stopping the process from outside
+    would race it), not as the whole run left it."""
+    ckpt = (workdir / "ckpt").resolve()
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    ckpt.mkdir(parents=True)
+    kill = plan(point, baseline)
+    if kill is None:
+        raise CrashNotLanded(f"fault point {point} does not exist in the trainer's trace")
+    log, trace_file = (workdir / "faulted-loss.jsonl").resolve(), workdir / "faulted.strace"
+    prefix = strace.inject_argv(trace_file, kill.syscall, kill.nth, action=action, data=went_on_until is not None)
+    first = runner.run_process(adapter, spec, ckpt, log, prefix=prefix, trace_file=trace_file, stop=stop)
+    first_run = recording.build(strace.parse(first.trace_text), spec, first, ckpt, log)
+    first.trace_text = ""
+    trace_file.unlink(missing_ok=True)
+    _landed(kill, baseline, first_run, error=action.startswith("error="))
+    if went_on_until is not None and first.returncode == 0:
+        replayer = Replayer()
+        for op in first_run.ops:
+            if op.after_step <= went_on_until - 1:
+                replayer.apply(op)
+        shutil.rmtree(ckpt)
+        replayer.materialize(ckpt)
+    final = runner.run_process(adapter, spec, ckpt, (workdir / "final-loss.jsonl").resolve())
+    return FaultOutcome(spec, point, action, kill, first, first_run, final)
+
+
+def committed_after_failed_sync(run: recording.RecordedRun) -> str | None:
+    """fsyncgate: the failed fsync's file renamed into place afterwards, without being written
+    anew (after a failed fsync the kernel may have dropped its dirty pages, and a retried fsync
+    "succeeds" with the data gone). Returns what happened, or None."""
+    failed = run.failed_op()
+    if failed is None or failed.kind != "fsync":
+        return None
+    path = failed.path
+    for op in run.ops[failed.index + 1:]:
+        if op.kind == "create" and op.path == path and ("O_TRUNC" in op.flags or "O_CREAT" in op.flags):
+            return None   # written anew
+        if op.kind == "rename" and op.path == path:
+            return (f"`{path}` was renamed to `{op.target}` after its fsync failed"
+                    + (" (a retried fsync succeeded, but after a failed fsync the data may already be gone)"
+                       if any(o.kind == "fsync" and o.path == path and not o.error
+                              for o in run.ops[failed.index + 1:op.index]) else ""))
+    return None
