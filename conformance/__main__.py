@@ -4,6 +4,8 @@
         --total-steps=14 --save-every=3 --seed=0 --schedule=fs:7      # one case, from a failure message
     python -m conformance report conformance-report/report.json       # re-render a saved report
     python -m conformance soak --runs 5                                # the ci profile N times ("no crying wolf")
+    python -m conformance badge conformance-report/report.json         # SVG: the highest conformance level met
+    python -m conformance init --framework plain                       # adapter, CI workflow, config; one green run
 """
 from __future__ import annotations
 
@@ -140,12 +142,41 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--profile", default="ci")
     so.add_argument("--workers", default="auto", help="pytest-xdist -n value ('0' for none)")
     so.add_argument("--out", help="directory for the runs' reports")
+    ba = sub.add_parser("badge", help="write an SVG badge stating the highest conformance level a report meets")
+    ba.add_argument("path", help="report.json written by --conformance-report")
+    ba.add_argument("--out", default="conformance-badge.svg", help="where to write the SVG")
+    it = sub.add_parser("init", help="write an adapter, a CI workflow and config for a framework, then one green run")
+    it.add_argument("--framework", choices=("plain", "lightning", "accelerate", "hf"), default="plain")
+    it.add_argument("--dir", default=".", help="the repository to write into")
+    it.add_argument("--force", action="store_true", help="overwrite files that exist")
+    it.add_argument("--no-run", action="store_true", help="do not run the quick profile afterwards")
     return parser
+
+
+def _badge(args) -> int:
+    from . import report
+    from .levels import badge_svg, highest
+    try:
+        loaded = report.load_report(args.path)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    levels = loaded.levels()
+    Path(args.out).write_text(badge_svg(levels))
+    top = highest(levels)
+    print(f"{args.out}: {top.level + ' ' + top.meaning if top else 'no level met'} "
+          f"({', '.join(f'{s.level} {s.status}' for s in levels)})")
+    return 0
+
+
+def _init(args) -> int:
+    from .init import main as init_main
+    return init_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"soak": _soak, "replay": _replay, "report": _report}[args.command](args)
+    return {"soak": _soak, "replay": _replay, "report": _report, "badge": _badge, "init": _init}[args.command](args)
 
 
 if __name__ == "__main__":

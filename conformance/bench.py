@@ -1,14 +1,15 @@
 """How fast the suite is, measured side by side in one run: `python -m conformance.bench [--json]`.
 
 - one crash trial (a kill inside the middle save, then the resume to the end: two trainer
-  processes, the first traced and killed by strace) on the warm runner and with a fresh
-  interpreter per process, and a bare `python -c "import torch"` (medians);
+  processes, the first traced and killed by strace) on the warm runner, as a module and as a
+  script (`python train.py`), and with a fresh interpreter per process, and a bare
+  `python -c "import torch"` (medians);
 - crash states checked per minute by the crash_states check (rebuilt offline, one short resume each);
 - power-loss states (data and strict models) checked per minute by the power_loss check;
 - the wall time of the `ci` profile against the bundled trainer with `-n auto`, and whether that
   run covered every filesystem operation of a save (its crash_states evidence).
 
-Targets on 2 cores: trial_vs_import <= 0.1, integrity_states_per_min >= 1000,
+Targets on 2 cores: trial_vs_import <= 0.1, script_trial_vs_import <= 0.1, integrity_states_per_min >= 1000,
 power_loss_states_per_min >= 1000, ci_profile_seconds <= 90.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Any
 
 from .readme import replace_section
 
-TARGETS = {"trial_vs_import": ("<=", 0.1), "integrity_states_per_min": (">=", 1000.0),
+TARGETS = {"trial_vs_import": ("<=", 0.1), "script_trial_vs_import": ("<=", 0.1),
+           "integrity_states_per_min": (">=", 1000.0),
            "power_loss_states_per_min": (">=", 1000.0), "ci_profile_seconds": ("<=", 90.0)}
 _MARKER = "<!-- conformance-bench -->"
 
@@ -45,8 +47,11 @@ def bare_import_seconds(repeats: int) -> tuple[float, list[float]]:
     return _median_time(lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True), repeats)
 
 
-def trial_seconds(runner_kind: str, repeats: int, workdir: Path) -> tuple[float, list[float], str]:
-    from .adapters import resolve
+def trial_seconds(runner_kind: str, repeats: int, workdir: Path, *, script: bool = False
+                  ) -> tuple[float, list[float], str]:
+    """One crash trial's median time: the bundled trainer as `python -m module`, or with
+    `script`, as `python train.py` (a script that calls the same trainer)."""
+    from .adapters import command_adapter, resolve
     from .checks import Session
     from .checks.schedules import run_trial
     from .crash import CrashPoint
@@ -56,7 +61,12 @@ def trial_seconds(runner_kind: str, repeats: int, workdir: Path) -> tuple[float,
     from .strategies import _ordered_fs
 
     runner = WarmRunner() if runner_kind == "warm" else SubprocessRunner()
-    session = Session(resolve(None, None), workdir / runner_kind, runner=runner)
+    adapter = resolve(None, None)
+    if script:
+        path = workdir / "train.py"
+        path.write_text("import sys\nfrom fixtures.reference_trainer import main\nsys.exit(main())\n")
+        adapter = command_adapter(f"{sys.executable} {path}")
+    session = Session(adapter, workdir / f"{runner_kind}{'-script' if script else ''}", runner=runner)
     try:
         spec = RunSpec(TOTAL_STEPS, 3, SEED)
         baseline = session.baseline(spec)
@@ -141,6 +151,7 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         load_before = os.getloadavg()[0]
         import_s, import_all = bare_import_seconds(repeats)
         warm_s, warm_all, point = trial_seconds("warm", repeats, tmp_path)
+        script_s, script_all, _ = trial_seconds("warm", repeats, tmp_path, script=True)
         fresh_s, fresh_all, _ = trial_seconds("fresh", fresh_repeats, tmp_path)
         per_min, n_states, states_s = states_per_minute(tmp_path)
         power_per_min, n_power, power_s = power_states_per_minute(tmp_path)
@@ -148,13 +159,16 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         load_after = os.getloadavg()[0]
     result = {
         "trial_vs_import": warm_s / import_s,
+        "script_trial_vs_import": script_s / import_s,
         "integrity_states_per_min": per_min,
         "power_loss_states_per_min": power_per_min,
         "ci_profile_seconds": ci["seconds"] if ci else None,
         "details": {
-            "bare_import_torch_s": import_s, "warm_trial_s": warm_s, "fresh_trial_s": fresh_s,
+            "bare_import_torch_s": import_s, "warm_trial_s": warm_s, "script_trial_s": script_s,
+            "fresh_trial_s": fresh_s,
             "fresh_vs_warm": fresh_s / warm_s, "trial_schedule": point,
-            "all_times_s": {"import": import_all, "warm_trial": warm_all, "fresh_trial": fresh_all},
+            "all_times_s": {"import": import_all, "warm_trial": warm_all, "script_trial": script_all,
+                            "fresh_trial": fresh_all},
             "crash_states": n_states, "crash_states_seconds": states_s,
             "power_loss_states": n_power, "power_loss_seconds": power_s,
             "state_workers": int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1),
@@ -188,6 +202,8 @@ def format_markdown(r: dict[str, Any], command: str) -> str:
         ("`trial_vs_import`", f"{r['trial_vs_import']:.3f}", "<= 0.1",
          f"warm trial {d['warm_trial_s'] * 1000:.0f} ms / bare `import torch` {d['bare_import_torch_s'] * 1000:.0f} ms "
          f"(fresh-interpreter trial {d['fresh_trial_s']:.2f} s, {d['fresh_vs_warm']:.0f}x the warm one)"),
+        ("`script_trial_vs_import`", f"{r['script_trial_vs_import']:.3f}", "<= 0.1",
+         f"the same trial with the trainer given as `python train.py`: {d['script_trial_s'] * 1000:.0f} ms"),
         ("`integrity_states_per_min`", f"{r['integrity_states_per_min']:.0f}", ">= 1000",
          f"{d['crash_states']} crash states in {d['crash_states_seconds']:.1f} s, {d['state_workers']} at a time"),
         ("`power_loss_states_per_min`", f"{r['power_loss_states_per_min']:.0f}", ">= 1000",

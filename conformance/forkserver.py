@@ -16,12 +16,15 @@ Protocol (JSON lines on the server's stdin/stdout; several children may run at o
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import itertools
 import json
 import os
 import queue
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,22 +34,60 @@ from pathlib import Path
 from .adapters import TrainerAdapter
 
 
-def warm_module(adapter: TrainerAdapter) -> tuple[str, list[str]] | None:
-    """(module, argv) if the adapter is `python -m module ...` with this interpreter, else None."""
+@dataclasses.dataclass(frozen=True)
+class WarmTarget:
+    """What a forked child runs: a module (`python -m mod args`) or a script (`python train.py
+    args`), with the interpreter the fork server is started with."""
+
+    interpreter: str
+    kind: str               # "module" or "script"
+    target: str             # module name, or the script's absolute path
+    argv: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=None)
+def imports_same_torch(interpreter: str) -> bool:
+    """Whether `interpreter` imports the torch this process would (same files): then its trainer
+    processes can be forked from a warm server run by that interpreter."""
+    if os.path.realpath(interpreter) == os.path.realpath(sys.executable):
+        return True
+    probe = "import importlib.util as u, os; print(os.path.realpath(u.find_spec('torch').origin))"
+    try:
+        theirs = subprocess.run([interpreter, "-c", probe], capture_output=True, text=True, timeout=120).stdout.strip()
+        ours = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return bool(theirs) and theirs == ours
+
+
+def warm_target(adapter: TrainerAdapter) -> tuple[WarmTarget | None, str]:
+    """The target a warm server can fork for this adapter, or None and why not."""
     argv = list(adapter.argv)
-    if len(argv) >= 3 and argv[1] == "-m" and os.path.realpath(argv[0]) == os.path.realpath(sys.executable):
-        return argv[2], argv[3:]
-    return None
+    exe = shutil.which(argv[0]) if argv else None
+    if not argv or exe is None or not os.path.basename(exe).startswith("python"):
+        return None, "the command does not start a Python interpreter"
+    if not imports_same_torch(exe):
+        return None, f"{argv[0]} does not import the torch this suite runs with"
+    if len(argv) >= 3 and argv[1] == "-m":
+        return WarmTarget(exe, "module", argv[2], tuple(argv[3:])), ""
+    if len(argv) >= 2 and not argv[1].startswith("-") and argv[1].endswith(".py") and os.path.isfile(argv[1]):
+        return WarmTarget(exe, "script", os.path.abspath(argv[1]), tuple(argv[2:])), ""
+    return None, "the command is neither `python -m module ...` nor `python script.py ...`"
 
 
 # -- server side ----------------------------------------------------------------------------------
-def _run_module(module: str, argv: list[str], env: dict[str, str]) -> int:
+def _run_module(module: str, argv: list[str], env: dict[str, str], kind: str = "module") -> int:
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = [module] + argv
     code = 0
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if kind == "script":   # as `python script.py`: its directory first on sys.path
+            sys.argv = [module] + argv
+            sys.path.insert(0, os.path.dirname(module))
+            runpy.run_path(module, run_name="__main__")
+        else:
+            sys.argv = [module] + argv
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
@@ -59,7 +100,7 @@ def _run_module(module: str, argv: list[str], env: dict[str, str]) -> int:
 
 
 def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int,
-           then_env: dict[str, str] | None = None) -> None:
+           then_env: dict[str, str] | None = None, kind: str = "module") -> None:
     os.read(go_fd, 1)
     os.close(go_fd)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -70,9 +111,9 @@ def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
     import warnings
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
                             category=RuntimeWarning)
-    code = _run_module(module, argv, env)
+    code = _run_module(module, argv, env, kind)
     if code == 0 and then_env is not None:   # a second run in the same process (diagnosis)
-        code = _run_module(module, argv, then_env)
+        code = _run_module(module, argv, then_env, kind)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -126,7 +167,8 @@ def serve(preload: list[str]) -> None:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 for fd in (w, wake_r, wake_w, *(gw for _, gw in waiting.values())):
                     os.close(fd)
-                _child(req["module"], req["argv"], req["env"], req["stderr"], r, req.get("then"))
+                _child(req["module"], req["argv"], req["env"], req["stderr"], r, req.get("then"),
+                       req.get("kind", "module"))
             os.close(r)
             running[pid] = rid
             waiting[rid] = (pid, w)
@@ -183,10 +225,10 @@ def serve(preload: list[str]) -> None:
 class ForkServer:
     """Client of one server process; `run` may be called from several threads at once."""
 
-    def __init__(self, preload: list[str], env: dict[str, str] | None = None):
+    def __init__(self, preload: list[str], env: dict[str, str] | None = None, interpreter: str | None = None):
         env = dict(env if env is not None else os.environ)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-        self.proc = subprocess.Popen([sys.executable, "-m", "conformance.forkserver", *preload],
+        self.proc = subprocess.Popen([interpreter or sys.executable, "-m", "conformance.forkserver", *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._send_lock = threading.Lock()
         self._replies: dict[int, "queue.Queue[dict]"] = {}
@@ -219,8 +261,8 @@ class ForkServer:
         return msg
 
     def run(self, module: str, argv: list[str], env: dict[str, str], stderr_path: Path,
-            attach=None, watch=None, poll: float = 0.05, then_env: dict[str, str] | None = None
-            ) -> tuple[int, str | None]:
+            attach=None, watch=None, poll: float = 0.05, then_env: dict[str, str] | None = None,
+            kind: str = "module") -> tuple[int, str | None]:
         """Fork a child; `attach(pid)` runs before it is released (e.g. starts strace). While it
         runs, `watch()` is asked every `poll` seconds whether to stop it; returns (exit status,
         why it was stopped or None)."""
@@ -231,7 +273,8 @@ class ForkServer:
             if self._dead:   # registered after the reader's last word: no reply will ever come
                 raise RuntimeError("fork server died")
             self._send({"op": "fork", "id": rid, "module": module, "argv": argv, "env": env,
-                        "stderr": str(stderr_path), **({"then": then_env} if then_env is not None else {})})
+                        "stderr": str(stderr_path), "kind": kind,
+                        **({"then": then_env} if then_env is not None else {})})
             pid = self._get(q)["pid"]
             tracer = None
             try:

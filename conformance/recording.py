@@ -163,6 +163,7 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
     step_logs: dict[int, strace.Syscall] = {}
     reads: set[str] = set()
     unreplayable: list[str] = []
+    mapped: set[str] = set()
     logged = 0
     ordered_steps = iter(sorted(result.losses))
 
@@ -282,9 +283,11 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
         elif call == "mmap" and len(args) > 4 and "PROT_WRITE" in args[2] and "MAP_SHARED" in args[3]:
             path = rel(strace.fd_path(args[4]))
             if path is not None:
-                unreplayable.append(f"a shared writable mmap of {path} (its writes are not syscalls)")
+                mapped.add(path)   # matters only for a file under the root, or one renamed into it
     # Operations elsewhere matter only for files that end up under the root: drop the rest.
     feeding = {op.path for op in ops if op.kind in ("rename", "link") and op.inside and op.path.startswith("/")}
+    unreplayable += [f"a shared writable mmap of {p} (its writes are not syscalls)" for p in sorted(mapped)
+                     if not p.startswith("/") or p in feeding]
     kept = [op for op in ops if op.inside or op.kind == "log"
             or any(op.path == f or op.path.startswith(f + "/") for f in feeding)]
     kept = [dataclasses.replace(op, index=i) for i, op in enumerate(kept)]

@@ -77,10 +77,18 @@ class Report:
     def failed(self) -> list[Case]:
         return [c for c in self.cases if c.outcome in ("failed", "error")]
 
+    def levels(self):
+        from .levels import assess
+        return assess({c.check: c.outcome for c in self.cases})
+
     def to_json(self) -> dict[str, Any]:
+        from .levels import highest
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cases"}
         out["adapter"] = dataclasses.asdict(self.adapter) if self.adapter else None
-        return {**out, "counts": self.counts, "cases": [c.to_json() for c in self.cases]}
+        levels = self.levels()
+        top = highest(levels)
+        return {**out, "counts": self.counts, "level": top.level if top else None,
+                "levels": [dataclasses.asdict(s) for s in levels], "cases": [c.to_json() for c in self.cases]}
 
 
 def environment(adapter: AdapterInfo | None, profile: str | None, cases: list[Case], header: str = "") -> Report:
@@ -156,6 +164,11 @@ def render_markdown(report: Report) -> str:
              ""]
     if report.header:
         lines += [f"`{report.header}`", ""]
+    from .levels import highest
+    levels = report.levels()
+    top = highest(levels)
+    lines += [f"**Conformance level: {f'{top.level} ({top.meaning})' if top else 'none met'}** · "
+              + " · ".join(f"{s.level} {s.status}" for s in levels), ""]
     lines += [" · ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no checks ran",
               "",
               "| check | outcome | evidence |",

@@ -198,30 +198,33 @@ class WarmRunner:
         self._lock = threading.Lock()
         self.limits = limits or Limits()
 
-    def _server(self, adapter: TrainerAdapter, module: str):
+    def _server(self, adapter: TrainerAdapter, target):
         from .forkserver import ForkServer
         with self._lock:
-            key = (module, adapter.pythonpath)
+            key = (target.interpreter, target.kind, target.target, adapter.pythonpath)
             if key not in self._servers:
-                self._servers[key] = ForkServer([module], env=adapter.environment(dict(os.environ)))
+                preload = [target.target] if target.kind == "module" else script_imports(target.target)
+                self._servers[key] = ForkServer(preload, env=adapter.environment(dict(os.environ)),
+                                                interpreter=target.interpreter)
             return self._servers[key]
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
                     prefix: list[str] | None = None, trace_file: Path | None = None,
                     stop: Stop | None = None) -> ProcessResult:
-        from .forkserver import warm_module
-        found = warm_module(adapter)
-        if found is None:
+        from .forkserver import warm_target
+        target, _ = warm_target(adapter)
+        if target is None:
             self._fallback.limits = self.limits
             return self._fallback.run_process(adapter, spec, ckpt_dir, loss_log, prefix=prefix, trace_file=trace_file,
                                               stop=stop)
-        module, argv = found
         stderr_path = loss_log.with_name(loss_log.name + ".stderr")
         attach = (lambda pid: attach_strace(prefix, pid)) if prefix else None
         start = time.monotonic()
         watch = Watchdog(self.limits, spec, loss_log, trace_file, stop)
-        rc, overrun = self._server(adapter, module).run(module, argv, adapter.environment(spec.env(ckpt_dir, loss_log)),
-                                                        stderr_path, attach, watch=watch.problem, poll=POLL_S)
+        rc, overrun = self._server(adapter, target).run(target.target, list(target.argv),
+                                                        adapter.environment(spec.env(ckpt_dir, loss_log)),
+                                                        stderr_path, attach, watch=watch.problem, poll=POLL_S,
+                                                        kind=target.kind)
         err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
         return _finish(rc, err, loss_log, trace_file, start, overrun, watch)
 
@@ -229,17 +232,17 @@ class WarmRunner:
                   first_log: Path, second_log: Path) -> ProcessResult | None:
         """Run the trainer with `first`, then again with `second` in the same process (only for
         trainers the fork server runs); the second run's result, or None if not possible."""
-        from .forkserver import warm_module
-        found = warm_module(adapter)
-        if found is None:
+        from .forkserver import warm_target
+        target, _ = warm_target(adapter)
+        if target is None:
             return None
-        module, argv = found
         stderr_path = second_log.with_name(second_log.name + ".stderr")
         start = time.monotonic()
         watch = Watchdog(dataclasses.replace(self.limits, stall_s=self.limits.total_s), second, second_log, None)
-        rc, overrun = self._server(adapter, module).run(
-            module, argv, adapter.environment(first.env(ckpt_dir, first_log)), stderr_path, watch=watch.problem,
-            poll=POLL_S, then_env=adapter.environment(second.env(ckpt_dir, second_log)))
+        rc, overrun = self._server(adapter, target).run(
+            target.target, list(target.argv), adapter.environment(first.env(ckpt_dir, first_log)), stderr_path,
+            watch=watch.problem, poll=POLL_S, then_env=adapter.environment(second.env(ckpt_dir, second_log)),
+            kind=target.kind)
         err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
         return _finish(rc, err, second_log, None, start, overrun, watch)
 
@@ -247,6 +250,23 @@ class WarmRunner:
         for server in self._servers.values():
             server.close()
         self._servers.clear()
+
+
+def script_imports(path: str) -> list[str]:
+    """The modules a script imports at its top level: the fork server imports them once, as it
+    imports a module trainer, so a forked child does not (a failing import is left to the child)."""
+    import ast
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return list(dict.fromkeys(names))
 
 
 def attach_strace(prefix: list[str], pid: int) -> subprocess.Popen:

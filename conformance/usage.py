@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 import shutil
 import subprocess
 
 from .adapters import TrainerAdapter
-from .forkserver import warm_module
+from .forkserver import warm_target
 from .strace import strace_problem
 
 
@@ -29,11 +30,13 @@ def runner_choice(adapter: TrainerAdapter, runner_option: str | None) -> tuple[s
     """("warm" or "fresh", why)."""
     if runner_option == "fresh":
         return "fresh", "--runner=fresh: a new interpreter per trainer process"
-    found = warm_module(adapter)
-    if found is not None:
-        return "warm", f"processes forked from one that imported torch and {found[0]} once"
-    return "fresh", ("the command is not `python -m module` with this interpreter, so every trainer process "
-                     "starts a new interpreter and imports torch (seconds each; `python -m pkg.train` runs warm)")
+    target, why = warm_target(adapter)
+    if target is not None:
+        what = target.target if target.kind == "module" else os.path.basename(target.target)
+        return "warm", f"processes forked from one that imported torch and {what} once"
+    return "fresh", (f"{why}, so every trainer process starts a new interpreter and imports torch (seconds "
+                     "each; `python -m pkg.train` or `python train.py` with an interpreter that imports this "
+                     "torch runs warm)")
 
 
 def describe_setup(adapter: TrainerAdapter, runner_option: str | None) -> str:

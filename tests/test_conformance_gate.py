@@ -27,6 +27,8 @@ def test_the_catalogue_names_registered_checks():
 def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter):
     if adapter.startswith("fixtures.commit_marker_trainer"):
         pytest.importorskip("safetensors", reason="the commit-marker trainer needs the 'safetensors' extra")
+    if adapter.startswith("fixtures.careful_loop"):
+        pytest.importorskip("torchdata", reason="the careful loop needs the 'torchdata' extra")
     verdicts, out = run_suite(f"--adapter={adapter}", "--hypothesis-profile=ci")
     assert verdicts, out[-3000:]
     bad = {name: v for name, v in verdicts.items() if v[0] in ("failed", "error")}

@@ -18,7 +18,8 @@ LAYERS = [
     {"runners", "forkserver"},
     {"scenario", "crash_states", "powerloss", "faults", "strategies"},
     {"checks"},
-    {"expected", "report", "suite", "plugin", "__main__", "bench", "test_conformance", "__init__", "usage"},
+    {"expected", "report", "suite", "plugin", "__main__", "bench", "test_conformance", "__init__", "usage", "init",
+     "levels"},
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

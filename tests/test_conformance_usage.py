@@ -35,10 +35,14 @@ def test_the_header_names_trainer_profile_runner_and_strace(run_pytest):
     assert ", strace " in header and "syscall crash points " in header
 
 
-def test_a_script_trainer_says_why_it_runs_fresh(tmp_path, run_pytest):
-    (tmp_path / "train.py").write_text("")
+def test_a_script_trainer_runs_warm_and_a_shell_wrapper_says_why_it_does_not(tmp_path, run_pytest):
+    (tmp_path / "train.py").write_text("import fixtures.reference_trainer\n")
     proc = run_pytest("--pyargs", "conformance", f"--trainer-cmd={sys.executable} train.py", "--collect-only", "-v")
-    assert "runner fresh (the command is not `python -m module` with this interpreter" in proc.stdout
+    assert "runner warm (processes forked from one that imported torch and train.py once)" in proc.stdout
+    (tmp_path / "train.sh").write_text("#!/bin/sh\nexec python -m fixtures.reference_trainer\n")
+    (tmp_path / "train.sh").chmod(0o755)
+    proc = run_pytest("--pyargs", "conformance", "--trainer-cmd=./train.sh", "--collect-only", "-v")
+    assert "runner fresh (the command does not start a Python interpreter, so every trainer process" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -3,24 +3,50 @@ Accelerate), each used the way its documentation shows.
 
 The verdicts are findings about those libraries, recorded as `EXPECTED` in each trainer module and
 explained in the README ("Real trainers"); asserting them keeps that write-up executable evidence.
-Skipped unless the optional extra is installed: pip install resume-conformance[lightning,accelerate].
+Skipped unless the optional extra is installed: pip install resume-conformance[lightning,accelerate,transformers].
 """
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs_strace]
 
-TRAINERS = {"lightning": "fixtures.real.lightning_trainer", "accelerate": "fixtures.real.accelerate_trainer"}
+TRAINERS = {"lightning": "fixtures.real.lightning_trainer", "accelerate": "fixtures.real.accelerate_trainer",
+            "transformers": "fixtures.real.hf_trainer"}
+# transformers 4.x next to the installed 5.x: a venv with system site packages (same torch), made by
+# .ci/run; the suite forks its trainer processes from that interpreter, warm.
+HF4_PYTHON = Path(os.environ.get("CONFORMANCE_HF4_PYTHON", Path(__file__).resolve().parents[1] / ".venv-hf4" / "bin" / "python"))
 
 
 @pytest.mark.parametrize("library", sorted(TRAINERS))
 def test_suite_verdicts_match_the_recorded_findings(run_suite, library):
     pytest.importorskip(library, reason=f"{library} is not installed (pip install resume-conformance[{library}])")
     trainer = importlib.import_module(TRAINERS[library])
+    if not trainer.EXPECTED:
+        pytest.skip(f"no recorded findings for this version of {library}")
     verdicts, out = run_suite(f"--adapter={trainer.ADAPTER.spec}", "--hypothesis-profile=quick")
+    _assert_verdicts(library, trainer.EXPECTED, verdicts, out)
+
+
+def test_transformers_4_verdicts_match_the_recorded_findings(run_suite):
+    if not HF4_PYTHON.exists():
+        pytest.skip(f"no transformers 4.x interpreter at {HF4_PYTHON} (.ci/run makes one)")
+    probe = subprocess.run([str(HF4_PYTHON), "-c", "import transformers; print(transformers.__version__)"],
+                           capture_output=True, text=True)
+    if not probe.stdout.startswith("4."):
+        pytest.skip(f"{HF4_PYTHON} does not import transformers 4.x: {probe.stdout or probe.stderr[-300:]}")
+    from fixtures.real.hf_trainer import EXPECTED_BY_MAJOR
+    verdicts, out = run_suite(f"--trainer-cmd={HF4_PYTHON} -m fixtures.real.hf_trainer", "--hypothesis-profile=quick", "-v")
+    assert "runner warm" in out
+    _assert_verdicts("transformers 4", EXPECTED_BY_MAJOR[4], verdicts, out)
+
+
+def _assert_verdicts(library: str, expected: dict, verdicts: dict, out: str) -> None:
     for name, (outcome, message) in verdicts.items():
         if outcome == "failed":
             check = name.removeprefix("test_").split("[")[0]
@@ -29,4 +55,4 @@ def test_suite_verdicts_match_the_recorded_findings(run_suite, library):
     got = {name.removeprefix("test_"): outcome for name, (outcome, _) in verdicts.items()}
     details = "\n\n".join(f"{name}: {message[:1500]}" for name, (outcome, message) in verdicts.items()
                           if outcome != "passed")
-    assert got == trainer.EXPECTED, f"{library}: verdicts changed\n{details}\n{out[-2000:]}"
+    assert got == expected, f"{library}: verdicts changed\n{details}\n{out[-2000:]}"

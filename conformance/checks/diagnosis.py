@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..failures import loss_mismatches
-from ..forkserver import warm_module
+from ..forkserver import warm_target
 from ..process import RunSpec
 from .session import Session
 
@@ -39,6 +39,7 @@ class Diagnosis:
 class Resumed:
     losses: dict[int, float]
     first_step: int | None
+    stopped: dict[int, float] = dataclasses.field(default_factory=dict)   # the run stopped at k
 
 
 def _stop_and_resume(session: Session, spec: RunSpec, k: int, seed: int, *, same_process: bool = False
@@ -69,7 +70,7 @@ def _run_stop_and_resume(session: Session, spec: RunSpec, k: int, seed: int, sam
         result = session.runner.run_process(session.adapter, second, ckpt, (d / "loss2.jsonl").resolve())
     if result is None or result.returncode != 0:
         return None
-    return Resumed(result.losses, result.first_step)
+    return Resumed(result.losses, result.first_step, {} if same_process else stopped.losses)
 
 
 def _reference(session: Session, spec: RunSpec) -> dict[int, float] | None:
@@ -108,6 +109,13 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
                                          "baseline, so stop-and-resume experiments have no reference",))
     evidence = []
     sweep = _sweep(session, spec, ref)
+    diverging_stop = next((k for k, r in sweep.items() if r is not None and loss_mismatches(ref, r.stopped, session.tol)),
+                          None)
+    if diverging_stop is not None:
+        return Diagnosis("cannot tell: stop-and-resume experiments do not apply to this trainer",
+                         (f"a run stopped at step {diverging_stop} (CONFORMANCE_TOTAL_STEPS={diverging_stop}) does not "
+                          "reproduce the first steps of the full run: its training depends on the step budget (an LR "
+                          "schedule over max_steps?)",))
     wrong_start = {k: r.first_step for k, r in sweep.items() if r is not None and r.first_step != k + 1}
     if wrong_start:
         k, got = next(iter(wrong_start.items()))
@@ -138,7 +146,7 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
         evidence.append(f"the first resumed step ({first}) " + ("already differs" if first_differs else
                                                                 "matches; later steps differ"))
     outside = None
-    if r and warm_module(session.adapter) is not None and failing:
+    if r and warm_target(session.adapter)[0] is not None and failing:
         together = _stop_and_resume(session, spec, r, spec.seed, same_process=True)
         if together is not None:
             outside = not loss_mismatches(ref, together.losses, session.tol) and r in failing

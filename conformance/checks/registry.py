@@ -191,3 +191,20 @@ def markdown_table() -> str:
             needs.append("deterministic " + ("losses and operations" if c.precondition == "operations" else "losses"))
         rows.append(f"| {ids} | {c.summary} | {', '.join(needs) or '-'} | `{c.decided_in}` |")
     return "\n".join(rows)
+
+
+# Conformance levels: a one-line claim for a README or a model card. A level is met when every one
+# of its checks (and every lower level's) passed; an expected failure does not count, and a level
+# with a check that did not run is "not tested", never met.
+LEVELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("L1", "process-crash safe", ("determinism_precondition", "resume_matches_baseline", "no_lost_work",
+                                  "no_torn_state", "crash_states", "corruption_detected", "untrusted_checkpoint")),
+    ("L2", "power-loss durable", ("power_loss",)),
+    ("L3", "fault tolerant", ("io_error", "preemption")),
+    ("L4", "multi-rank consistent", ("all_or_nothing", "rank_resume")),
+)
+
+
+def level_ids(checks: tuple[str, ...]) -> list[str]:
+    """The test ids a level needs: each check with each of its parameters (unknown checks as given)."""
+    return [i for c in checks for i in (BY_ID[c].ids() if c in BY_ID else [c])]
