@@ -19,7 +19,7 @@ from typing import Any
 BUNDLED = "fixtures.reference_trainer:ADAPTER"
 
 # Capabilities an adapter may declare; a check needing one the adapter lacks is skipped naming it.
-KNOWN_CAPABILITIES = frozenset({"legacy_samples", "preemption_save", "sharded", "syscall_crash"})
+KNOWN_CAPABILITIES = frozenset({"legacy_samples", "preemption_save", "reshard", "sharded", "syscall_crash"})
 
 
 class AdapterError(ValueError):
@@ -52,6 +52,7 @@ class TrainerAdapter:
     spec: str = ""          # how to name it again on a command line (for replay)
     version: str = ""       # the trainer's own version, shown in reports
     pythonpath: tuple[str, ...] = ()   # directories its processes need on PYTHONPATH
+    world_size: int = 1     # > 1: launched as that many ranks by torchrun (launch.py)
 
     def has(self, capability: str) -> bool:
         if capability == "legacy_samples":
@@ -60,9 +61,10 @@ class TrainerAdapter:
 
     def replay_args(self) -> tuple[str, ...]:
         """Command-line arguments that name this trainer again (unquoted)."""
+        ranks = (f"--world-size={self.world_size}",) if self.world_size > 1 else ()
         if self.spec.startswith("cmd:"):
-            return (f"--trainer-cmd={self.spec[4:]}",)
-        return (f"--adapter={self.spec}",)
+            return (f"--trainer-cmd={self.spec[4:]}", *ranks)
+        return (f"--adapter={self.spec}", *ranks)
 
     def environment(self, env: dict[str, str]) -> dict[str, str]:
         """`env` with this adapter's import directories first on PYTHONPATH."""
@@ -139,13 +141,28 @@ def python_adapter(spec: str, search: tuple[str, ...] = ()) -> TrainerAdapter:
     samples = tuple(getattr(obj, "legacy_samples", ()) or ())
     return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.child", spec),
                           capabilities=caps, legacy_samples=samples, spec=spec,
-                          version=str(getattr(obj, "version", "") or ""), pythonpath=search)
+                          version=str(getattr(obj, "version", "") or ""), pythonpath=search,
+                          world_size=checked_world_size(getattr(obj, "world_size", 1), f"adapter {spec!r}: world_size"))
 
 
-def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.PathLike | None = None
-            ) -> TrainerAdapter:
+def checked_world_size(value, what: str) -> int:
+    """A world size as given (an adapter attribute, an option, an ini value), or AdapterError."""
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or str(value).strip() != str(size):
+        raise AdapterError(f"{what} is {value!r}, not a whole number >= 1",
+                           "give the number of ranks the trainer runs as, e.g. --world-size=2 (1: one process)")
+    return size
+
+
+def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.PathLike | None = None,
+            world_size: int | str | None = None) -> TrainerAdapter:
+    """The trainer under test; `world_size` (an option) overrides the adapter's own."""
     if adapter and trainer_cmd:
         raise AdapterError("both an adapter and a trainer command are given", "keep one of --adapter and --trainer-cmd")
-    if trainer_cmd:
-        return command_adapter(trainer_cmd)
-    return python_adapter(adapter or BUNDLED, import_dirs(rootdir))
+    found = command_adapter(trainer_cmd) if trainer_cmd else python_adapter(adapter or BUNDLED, import_dirs(rootdir))
+    if world_size is not None:
+        found = dataclasses.replace(found, world_size=checked_world_size(world_size, "--world-size"))
+    return found

@@ -103,3 +103,23 @@ def align(first: RecordedRun, second: RecordedRun, *, upto: int | None = None) -
             names.append(RunRandomName(first.role(oa.index), pa, pb))
         paths.new.clear()
     return Alignment(tuple(names), None, max(len(ma), len(mb)))
+
+
+def align_job(first: RecordedRun, second: RecordedRun) -> Alignment:
+    """`align` for two runs of the same trainer, rank by rank for a job (the order in which ranks'
+    operations interleave is a race, not a property of the trainer)."""
+    if not first.is_job:
+        return align(first, second)
+    names: list[RunRandomName] = []
+    compared = 0
+    for r in sorted(first.ranks):
+        if r not in second.ranks:
+            return Alignment(tuple(names), Divergence(0, f"rank {r} was traced", f"rank {r} was not traced"), compared)
+        lined_up = align(first.ranks[r], second.ranks[r])
+        names += [dataclasses.replace(n, role=f"rank {r}: {n.role}") for n in lined_up.names]
+        compared += lined_up.compared
+        if lined_up.divergence is not None:
+            d = lined_up.divergence
+            return Alignment(tuple(names), Divergence(d.position, f"rank {r}: {d.first}", f"rank {r}: {d.second}"),
+                             compared)
+    return Alignment(tuple(names), None, compared)

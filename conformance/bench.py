@@ -7,10 +7,13 @@
 - crash states checked per minute by the crash_states check (rebuilt offline, one short resume each);
 - power-loss states (data and strict models) checked per minute by the power_loss check;
 - the wall time of the `ci` profile against the bundled trainer with `-n auto`, and whether that
-  run covered every filesystem operation of a save (its crash_states evidence).
+  run covered every filesystem operation of a save (its crash_states evidence);
+- a 2-rank crash trial (the reference DDP trainer under torchrun, one rank killed inside the
+  middle save) against the single-process warm trial, and the `ci` wall time for that trainer.
 
 Targets on 2 cores: trial_vs_import <= 0.1, script_trial_vs_import <= 0.1, integrity_states_per_min >= 1000,
-power_loss_states_per_min >= 1000, ci_profile_seconds <= 90.
+power_loss_states_per_min >= 1000, ci_profile_seconds <= 90, multirank_trial_vs_single <= 3.0,
+multirank_ci_profile_seconds <= 300.
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ from .readme import replace_section
 
 TARGETS = {"trial_vs_import": ("<=", 0.1), "script_trial_vs_import": ("<=", 0.1),
            "integrity_states_per_min": (">=", 1000.0),
-           "power_loss_states_per_min": (">=", 1000.0), "ci_profile_seconds": ("<=", 90.0)}
+           "power_loss_states_per_min": (">=", 1000.0), "ci_profile_seconds": ("<=", 90.0),
+           "multirank_trial_vs_single": ("<=", 3.0), "multirank_ci_profile_seconds": ("<=", 300.0)}
+MULTIRANK_ADAPTER = "fixtures.ddp_trainer:ADAPTER"
 _MARKER = "<!-- conformance-bench -->"
 
 
@@ -47,10 +52,11 @@ def bare_import_seconds(repeats: int) -> tuple[float, list[float]]:
     return _median_time(lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True), repeats)
 
 
-def trial_seconds(runner_kind: str, repeats: int, workdir: Path, *, script: bool = False
-                  ) -> tuple[float, list[float], str]:
+def trial_seconds(runner_kind: str, repeats: int, workdir: Path, *, script: bool = False,
+                  multirank: bool = False) -> tuple[float, list[float], str]:
     """One crash trial's median time: the bundled trainer as `python -m module`, or with
-    `script`, as `python train.py` (a script that calls the same trainer)."""
+    `script`, as `python train.py` (a script that calls the same trainer); with `multirank`, the
+    2-rank DDP trainer with rank 1 killed."""
     from .adapters import command_adapter, resolve
     from .checks import Session
     from .checks.schedules import run_trial
@@ -66,11 +72,15 @@ def trial_seconds(runner_kind: str, repeats: int, workdir: Path, *, script: bool
         path = workdir / "train.py"
         path.write_text("import sys\nfrom fixtures.reference_trainer import main\nsys.exit(main())\n")
         adapter = command_adapter(f"{sys.executable} {path}")
-    session = Session(adapter, workdir / f"{runner_kind}{'-script' if script else ''}", runner=runner)
+    if multirank:
+        adapter = resolve(MULTIRANK_ADAPTER, None)
+    tag = f"{runner_kind}{'-script' if script else ''}{'-multirank' if multirank else ''}"
+    session = Session(adapter, workdir / tag, runner=runner)
     try:
-        spec = RunSpec(TOTAL_STEPS, 3, SEED)
+        spec = RunSpec(TOTAL_STEPS, 3, SEED, adapter.world_size)
         baseline = session.baseline(spec)
-        point = CrashPoint("fs", _ordered_fs(baseline, True)[0])
+        rank = 1 if multirank else None
+        point = CrashPoint("fs", _ordered_fs(baseline.rank_view(rank or 0), True)[0], rank)
         run_trial(session, spec, (point,))  # warm-up: the fork server's imports are paid once
         median, times = _median_time(lambda: run_trial(session, spec, (point,)), repeats)
         return median, times, str(point)
@@ -118,14 +128,14 @@ def power_states_per_minute(workdir: Path) -> tuple[float, int, float]:
         session.close()
 
 
-def ci_profile(workdir: Path) -> dict[str, Any]:
+def ci_profile(workdir: Path, *args: str, tag: str = "ci") -> dict[str, Any]:
     from .evidence import CrashStates
     from .report import load_report
-    rep = workdir / "ci-report"
+    rep = workdir / f"{tag}-report"
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "conformance", "-n", "auto", "-q",
                            "-p", "no:cacheprovider", "--hypothesis-profile=ci", f"--conformance-report={rep}",
-                           f"--basetemp={workdir / 'ci-tmp'}"], cwd=workdir, capture_output=True, text=True)
+                           f"--basetemp={workdir / f'{tag}-tmp'}", *args], cwd=workdir, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     out: dict[str, Any] = {"seconds": seconds, "exit_code": proc.returncode,
                            "summary": (proc.stdout.strip().splitlines() or [""])[-1]}
@@ -155,7 +165,9 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         fresh_s, fresh_all, _ = trial_seconds("fresh", fresh_repeats, tmp_path)
         per_min, n_states, states_s = states_per_minute(tmp_path)
         power_per_min, n_power, power_s = power_states_per_minute(tmp_path)
+        ranks_s, ranks_all, ranks_point = trial_seconds("warm", repeats, tmp_path, multirank=True)
         ci = ci_profile(tmp_path) if with_ci else None
+        ranks_ci = ci_profile(tmp_path, f"--adapter={MULTIRANK_ADAPTER}", tag="multirank-ci") if with_ci else None
         load_after = os.getloadavg()[0]
     result = {
         "trial_vs_import": warm_s / import_s,
@@ -163,12 +175,15 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         "integrity_states_per_min": per_min,
         "power_loss_states_per_min": power_per_min,
         "ci_profile_seconds": ci["seconds"] if ci else None,
+        "multirank_trial_vs_single": ranks_s / warm_s,
+        "multirank_ci_profile_seconds": ranks_ci["seconds"] if ranks_ci else None,
         "details": {
+            "multirank_trial_s": ranks_s, "multirank_trial_schedule": ranks_point, "multirank_ci": ranks_ci,
             "bare_import_torch_s": import_s, "warm_trial_s": warm_s, "script_trial_s": script_s,
             "fresh_trial_s": fresh_s,
             "fresh_vs_warm": fresh_s / warm_s, "trial_schedule": point,
             "all_times_s": {"import": import_all, "warm_trial": warm_all, "script_trial": script_all,
-                            "fresh_trial": fresh_all},
+                            "fresh_trial": fresh_all, "multirank_trial": ranks_all},
             "crash_states": n_states, "crash_states_seconds": states_s,
             "power_loss_states": n_power, "power_loss_seconds": power_s,
             "state_workers": int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1),
@@ -214,10 +229,20 @@ def format_markdown(r: dict[str, Any], command: str) -> str:
                      f"{ci.get('summary', '')}; every fs op of a save covered: "
                      f"{'yes' if ci.get('covers_every_fs_op_of_a_save') else 'NO'} "
                      f"({ci.get('crash_states_checked', 0)} states / {ci.get('recorded_operations', 0)} recorded ops)"))
+    else:
+        rows.append(("`ci_profile_seconds`", "not run", "<= 90", "--no-ci"))
+    rows.append(("`multirank_trial_vs_single`", f"{r['multirank_trial_vs_single']:.2f}", "<= 3.0",
+                 f"2-rank trial ({d['multirank_trial_schedule']}) {d['multirank_trial_s'] * 1000:.0f} ms / "
+                 f"single-process warm trial {d['warm_trial_s'] * 1000:.0f} ms"))
+    mci = d.get("multirank_ci") or {}
+    rows.append(("`multirank_ci_profile_seconds`", "not run" if r["multirank_ci_profile_seconds"] is None
+                 else f"{r['multirank_ci_profile_seconds']:.1f}", "<= 300",
+                 f"`ci` against `{MULTIRANK_ADAPTER}` with `-n auto`: {mci.get('summary', '--no-ci')}"))
     met = r["targets_met"]
     lines = ["| measure | value | target | met | how |", "|---|---:|---:|:---:|---|"]
     for (name, value, target, how), key in zip(rows, TARGETS):
-        lines.append(f"| {name} | {value} | {target} | {'yes' if met[key] else 'no'} | {how} |")
+        mark = "-" if met[key] is None else "yes" if met[key] else "no"
+        lines.append(f"| {name} | {value} | {target} | {mark} | {how} |")
     la = d["load_avg_before_after"]
     lines += ["", f"Command: `{command}` · {d['machine']['cpus']} cores · Python {d['machine']['python']} · "
                   f"torch {d['machine']['torch']} · medians of {d['repeats']} (fresh: {d['fresh_repeats']}) · "

@@ -7,6 +7,7 @@ import os
 import pickle
 import pickletools
 import struct
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -62,8 +63,37 @@ def _zip_storage_widths(pickle_bytes: bytes) -> dict[str, int]:
     return widths
 
 
+def _archive_starts(path: Path) -> list[int]:
+    """Offsets of the torch zip archives in a file: one for `torch.save`, several for a file that
+    concatenates one archive per tensor (DCP's `.distcp` shards). An archive starts with the local
+    header of its `data.pkl`."""
+    data = path.read_bytes()
+    starts, at = [], data.find(b"PK\x03\x04")
+    while at != -1:
+        if at + 30 <= len(data):
+            (name_len,) = struct.unpack("<H", data[at + 26:at + 28])
+            if data[at + 30:at + 30 + name_len].endswith(b"data.pkl"):
+                starts.append(at)
+        at = data.find(b"PK\x03\x04", at + 4)
+    return starts
+
+
 def _zip_tensor_offsets(path: Path) -> list[tuple[int, int]]:
-    """(offset, element width) of every floating-point tensor-data record in a torch zip checkpoint."""
+    """(offset, element width) of every floating-point tensor-data record in a torch zip checkpoint,
+    or in every archive of a file that concatenates them."""
+    try:
+        starts = _archive_starts(path)
+    except OSError:
+        return []
+    if len(starts) > 1:
+        data = path.read_bytes()
+        found = []
+        with tempfile.TemporaryDirectory(prefix="conformance-archive-") as tmp:
+            piece = Path(tmp) / "piece"
+            for start, end in zip(starts, starts[1:] + [len(data)]):
+                piece.write_bytes(data[start:end])
+                found += [(start + offset, width) for offset, width in _zip_tensor_offsets(piece)]
+        return found
     try:
         with zipfile.ZipFile(path) as zf:
             pkl = next((i for i in zf.infolist() if i.filename.endswith("data.pkl")), None)

@@ -1,8 +1,9 @@
 """Crash points and schedules: data, never timers, so every failure replays exactly and
 Hypothesis can shrink it.
 
-A schedule is a tuple of crash points, one per killed process; after the last one the suite runs
-the trainer once more, uninterrupted. Text form (used by replay): `step:4,fs:17`.
+A schedule is a tuple of crash points, one per killed process (or job); after the last one the
+suite runs the trainer once more, uninterrupted. Text form (used by replay): `step:4,fs:17`; for a
+multi-rank trainer each point names the rank it kills: `fs:17@r1,step:4@r0`.
 """
 from __future__ import annotations
 
@@ -13,27 +14,40 @@ import dataclasses
 class CrashPoint:
     """`step:k`: kill after step k is logged (on entry to the write that would log step k+1).
     `fs:i`: kill on entry to the i-th filesystem mutation under the checkpoint directory
-    (0-based, counted in that process's own uninterrupted trace)."""
+    (0-based, counted in that process's own uninterrupted trace). `@rN`: in a multi-rank job, the
+    point is rank N's (its own steps, its own mutations); torchrun then stops the other ranks."""
 
     kind: str
     index: int
+    rank: int | None = None
 
     def __post_init__(self):
         if self.kind not in ("step", "fs"):
             raise ValueError(f"crash point kind must be 'step' or 'fs', got {self.kind!r}")
         if self.index < 0:
             raise ValueError(f"crash point index must be >= 0, got {self.index}")
+        if self.rank is not None and self.rank < 0:
+            raise ValueError(f"crash point rank must be >= 0, got {self.rank}")
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.index}"
+        return f"{self.kind}:{self.index}" + (f"@r{self.rank}" if self.rank is not None else "")
+
+    @property
+    def on_rank(self) -> int:
+        """The rank whose process this point stops (0 for a single process)."""
+        return self.rank or 0
 
     @classmethod
     def parse(cls, text: str) -> "CrashPoint":
-        kind, _, index = text.strip().partition(":")
+        body, at, rank = text.strip().partition("@")
+        kind, _, index = body.partition(":")
         try:
-            return cls(kind, int(index))
+            if at and not rank.startswith("r"):
+                raise ValueError("the rank is written '@r<N>'")
+            return cls(kind, int(index), int(rank[1:]) if at else None)
         except ValueError as exc:
-            raise ValueError(f"bad crash point {text!r}: expected 'step:K' or 'fs:I' ({exc})") from None
+            raise ValueError(f"bad crash point {text!r}: expected 'step:K' or 'fs:I', optionally with "
+                             f"'@rN' for rank N ({exc})") from None
 
 
 Schedule = tuple[CrashPoint, ...]

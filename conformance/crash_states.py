@@ -26,30 +26,30 @@ class Replayer:
         self.files: dict[str, bytearray] = {}
         self.dirs: set[str] = {"."}
         self.symlinks: dict[str, str] = {}
-        self.positions: dict[tuple[int, str], int] = {}
+        self.positions: dict[tuple[int, int, str], int] = {}   # (rank, fd, path) -> offset
 
     def apply(self, op: Op, *, torn: bool = False) -> None:
-        if op.error:
-            return   # an injected failure changed nothing
+        if op.error or not op.effect:
+            return   # an injected failure changed nothing; nor did a mkdir of an existing directory
         k = op.kind
         if k == "mkdir":
             self.dirs.add(op.path)
         elif k in ("create", "open"):
             if "O_TRUNC" in op.flags or op.path not in self.files:
                 self.files[op.path] = bytearray()
-            self.positions[(op.fd, op.path)] = len(self.files[op.path]) if "O_APPEND" in op.flags else 0
+            self.positions[(op.rank, op.fd, op.path)] = len(self.files[op.path]) if "O_APPEND" in op.flags else 0
         elif k == "write":
             if op.data is None:
                 raise UnreplayableTrace(f"op #{op.index} ({op.describe()}): the recording cut its bytes short "
                                         f"(writes larger than {strace.MAX_DATA_BYTES} bytes cannot be replayed)")
             data = op.data[: torn_length(op.data)] if torn else op.data
             buf = self.files.setdefault(op.path, bytearray())
-            pos = op.offset if op.offset is not None else self.positions.get((op.fd, op.path), len(buf))
+            pos = op.offset if op.offset is not None else self.positions.get((op.rank, op.fd, op.path), len(buf))
             if pos > len(buf):
                 buf.extend(b"\0" * (pos - len(buf)))
             buf[pos:pos + len(data)] = data
             if op.offset is None:
-                self.positions[(op.fd, op.path)] = pos + len(data)
+                self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
         elif k == "copy":   # sendfile/copy_file_range: the source's bytes, at the destination's position
             source = self.files.get(op.target)
             if source is None or op.offset is None:
@@ -57,13 +57,13 @@ class Replayer:
             data = bytes(source[op.offset:op.offset + op.length])
             data = data[: torn_length(data)] if torn else data
             buf = self.files.setdefault(op.path, bytearray())
-            pos = self.positions.get((op.fd, op.path), len(buf))
+            pos = self.positions.get((op.rank, op.fd, op.path), len(buf))
             if pos > len(buf):
                 buf.extend(b"\0" * (pos - len(buf)))
             buf[pos:pos + len(data)] = data
-            self.positions[(op.fd, op.path)] = pos + len(data)
+            self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
         elif k == "seek":
-            self.positions[(op.fd, op.path)] = op.offset
+            self.positions[(op.rank, op.fd, op.path)] = op.offset
         elif k == "truncate":
             buf = self.files.setdefault(op.path, bytearray())
             del buf[op.offset:]
@@ -199,8 +199,8 @@ def probe_specs(spec: RunSpec, state: CrashState) -> list[RunSpec]:
     training (it resumed past the probe's end). One step past the checkpoint the trainer should
     resume from: the interrupted save's if its files are already final, else the newest committed
     one (and then the interrupted save's, if the trainer took that as complete)."""
-    older = RunSpec(min(spec.total_steps, state.newest_committed + 1), spec.save_every, spec.seed)
+    older = spec.but(total_steps=min(spec.total_steps, state.newest_committed + 1))
     if not state.in_progress or state.in_progress + 1 <= older.total_steps:
         return [older]
-    newer = RunSpec(min(spec.total_steps, state.in_progress + 1), spec.save_every, spec.seed)
+    newer = spec.but(total_steps=min(spec.total_steps, state.in_progress + 1))
     return [newer] if state.save_complete else [older, newer]

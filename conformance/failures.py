@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 
 from .adapters import TrainerAdapter
-from .process import RunSpec
+from .process import ProcessResult, RunSpec
 
 
 class ConformanceFailure(AssertionError):
@@ -25,6 +25,25 @@ def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: 
         if not diff <= tol:  # NaN counts as a mismatch
             bad.append((step, expected, resumed[step], diff))
     return bad
+
+
+def rank_mismatches(base: ProcessResult, got: ProcessResult, tol: float) -> list[tuple[int, list]]:
+    """(rank, its mismatch rows) for every rank whose curve leaves its own uninterrupted curve."""
+    out = []
+    for r, curve in enumerate(got.rank_losses):
+        own = base.rank_losses[r] if r < len(base.rank_losses) else {}
+        rows = loss_mismatches(own, curve, tol)
+        if rows:
+            out.append((r, rows))
+    return out
+
+
+def describe_ranks(bad: list[tuple[int, list]], world_size: int) -> str:
+    fine = sorted(set(range(world_size)) - {r for r, _ in bad})
+    lines = [f"  rank {r}: differs at {len(rows)} step(s)\n" + format_mismatches(rows) for r, rows in bad]
+    if fine:
+        lines.append(f"  rank(s) {', '.join(map(str, fine))}: match their own uninterrupted curve")
+    return "\n".join(lines)
 
 
 def max_abs_diff(baseline: dict[int, float], resumed: dict[int, float]) -> float | None:

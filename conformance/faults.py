@@ -14,10 +14,10 @@ from pathlib import Path
 from . import alignment, recording, strace
 from .adapters import TrainerAdapter
 from .crash import CrashPoint
-from .process import ProcessResult, RunSpec
-from .runners import Runner, Stop
+from .process import ProcessResult, RunSpec, remove_logs
+from .runners import Runner, Stop, Tracing
 from .crash_states import Replayer
-from .scenario import CrashNotLanded, PlannedKill, plan
+from .scenario import DELIVERY_ATTEMPTS, SHIFTS, CrashNotLanded, PlannedKill, count_shift, plan
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
 # Syscalls an error can be injected into: the writes, syncs and namespace changes of a save.
@@ -42,7 +42,7 @@ class FaultOutcome:
 
 def error_points(run: recording.RecordedRun) -> list[int]:
     """Ordinals (the `fs:i` numbering) of the crash points an error can be injected into:
-    writes, syncs and namespace changes inside a save."""
+    writes, syncs and namespace changes inside a save (`run`: one process, or one rank's own run)."""
     points = run.crash_points()
     return [n for n, k in enumerate(points) if run.ops[run.mutations[k]].syscall in ERROR_SYSCALLS
             and run.ops[run.mutations[k]].after_step]
@@ -84,13 +84,42 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     kill = plan(point, baseline)
     if kill is None:
         raise CrashNotLanded(f"fault point {point} does not exist in the trainer's trace")
-    log, trace_file = (workdir / "faulted-loss.jsonl").resolve(), workdir / "faulted.strace"
-    prefix = strace.inject_argv(trace_file, kill.syscall, kill.nth, action=action, data=went_on_until is not None)
-    first = runner.run_process(adapter, spec, ckpt, log, prefix=prefix, trace_file=trace_file, stop=stop)
-    first_run = recording.build(strace.parse(first.trace_text), spec, first, ckpt, log)
-    first.trace_text = ""
-    trace_file.unlink(missing_ok=True)
-    _landed(kill, baseline, first_run, error=action.startswith("error="))
+    log = (workdir / "faulted-loss.jsonl").resolve()
+    rank = point.on_rank
+    data = went_on_until is not None
+
+    def argv_for(f: Path) -> list[str]:
+        # The faulted rank gets the fault; the others of a job are recorded (with their data, if
+        # the directory may have to be rebuilt from what they did).
+        if f.name.endswith(f".rank{rank}") or spec.world_size == 1:
+            return strace.inject_argv(f, kill.syscall, kill.nth, action=action, data=data)
+        return strace.record_argv(f, data=data)
+
+    error = action.startswith("error=")
+    planned = kill
+    own_view = baseline.rank_view(rank)
+    if baseline.is_job:
+        kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, 1))
+    for attempt in range(1, DELIVERY_ATTEMPTS + 1):
+        tracing = Tracing.each(spec, workdir / "faulted.strace", argv_for)
+        first = runner.run_process(adapter, spec, ckpt, log, tracing=tracing, stop=stop)
+        first_run = recording.from_result(first, spec, ckpt, log)
+        for f in tracing.files():
+            f.unlink(missing_ok=True)
+        try:
+            _landed(kill, own_view, first_run.rank_view(rank), error=error)
+            if baseline.is_job:
+                SHIFTS.record(own_view, kill.nth - planned.nth)
+            break
+        except CrashNotLanded:
+            # A job's count may be off by a small constant (scenario.count_shift): retry, shifted.
+            if not baseline.is_job or attempt == DELIVERY_ATTEMPTS:
+                raise
+            SHIFTS.record(own_view, count_shift(kill, own_view, first_run.rank_view(rank)))
+            shutil.rmtree(ckpt)
+            ckpt.mkdir(parents=True)
+            remove_logs(log, spec.world_size)
+            kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, attempt + 1))
     if went_on_until is not None and first.returncode == 0:
         replayer = Replayer()
         for op in first_run.ops:

@@ -7,9 +7,14 @@ pools and no device state. Each child blocks on a pipe until released, so strace
 (`strace -p`) before it runs its first instruction of training: syscall-level crash points work
 as on a fresh interpreter, and the suite's tests compare both runners on the same cases.
 
+A multi-rank job is forked the same way: the child becomes a process group of its own and runs
+torchrun's agent (rank.run_job), which forks the ranks from it, warm.
+
 Protocol (JSON lines on the server's stdin/stdout; several children may run at once):
-    -> {"op": "fork", "id": I, "module": M, "argv": [...], "env": {...}, "stderr": PATH[, "then": {...}]}
-       ("then": run the module a second time in the same child, with that environment)
+    -> {"op": "fork", "id": I, "module": M, "argv": [...], "env": {...}, "stderr": PATH[, "then": {...}]
+        [, "job": [torchrun flags]]}
+       ("then": run the module a second time in the same child, with that environment;
+        "job": run it as a torchrun job with those flags)
     <- {"id": I, "pid": PID}
     -> {"op": "go", "id": I}        (or {"op": "abort", "id": I}: kill it unreleased)
     <- {"id": I, "status": RC}      (RC < 0: killed by signal -RC, as subprocess reports it)
@@ -32,6 +37,10 @@ import threading
 from pathlib import Path
 
 from .adapters import TrainerAdapter
+
+# What a server that forks jobs imports besides torch: torchrun's launcher and the collectives.
+JOB_PRELOAD = ["torch.distributed.run", "torch.distributed.launcher.api",
+               "torch.distributed.elastic.multiprocessing", "torch.distributed.checkpoint", "conformance.rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +109,9 @@ def _run_module(module: str, argv: list[str], env: dict[str, str], kind: str = "
 
 
 def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int,
-           then_env: dict[str, str] | None = None, kind: str = "module") -> None:
+           then_env: dict[str, str] | None = None, kind: str = "module", job: list[str] | None = None) -> None:
+    if job is not None:
+        os.setsid()   # the job (agent and ranks) is one process group: stopped with one signal
     os.read(go_fd, 1)
     os.close(go_fd)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -111,7 +122,13 @@ def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
     import warnings
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
                             category=RuntimeWarning)
-    code = _run_module(module, argv, env, kind)
+    if job is not None:
+        os.environ.clear()
+        os.environ.update(env)
+        from .rank import run_job
+        code = run_job(job, module, argv, kind)
+    else:
+        code = _run_module(module, argv, env, kind)
     if code == 0 and then_env is not None:   # a second run in the same process (diagnosis)
         code = _run_module(module, argv, then_env, kind)
     try:
@@ -168,7 +185,7 @@ def serve(preload: list[str]) -> None:
                 for fd in (w, wake_r, wake_w, *(gw for _, gw in waiting.values())):
                     os.close(fd)
                 _child(req["module"], req["argv"], req["env"], req["stderr"], r, req.get("then"),
-                       req.get("kind", "module"))
+                       req.get("kind", "module"), req.get("job"))
             os.close(r)
             running[pid] = rid
             waiting[rid] = (pid, w)
@@ -178,7 +195,7 @@ def serve(preload: list[str]) -> None:
             if req["op"] == "go":
                 os.write(w, b"g")
             else:
-                _kill(pid)
+                _kill(pid, group=req.get("group", False))
             os.close(w)
 
     def reap() -> None:
@@ -262,10 +279,11 @@ class ForkServer:
 
     def run(self, module: str, argv: list[str], env: dict[str, str], stderr_path: Path,
             attach=None, watch=None, poll: float = 0.05, then_env: dict[str, str] | None = None,
-            kind: str = "module") -> tuple[int, str | None]:
+            kind: str = "module", job: list[str] | None = None) -> tuple[int, str | None]:
         """Fork a child; `attach(pid)` runs before it is released (e.g. starts strace). While it
         runs, `watch()` is asked every `poll` seconds whether to stop it; returns (exit status,
-        why it was stopped or None)."""
+        why it was stopped or None). With `job` (torchrun flags) the child is a job: its agent
+        and ranks are stopped together."""
         rid = next(self._ids)
         q: "queue.Queue[dict]" = queue.Queue()
         self._replies[rid] = q
@@ -274,13 +292,14 @@ class ForkServer:
                 raise RuntimeError("fork server died")
             self._send({"op": "fork", "id": rid, "module": module, "argv": argv, "env": env,
                         "stderr": str(stderr_path), "kind": kind,
-                        **({"then": then_env} if then_env is not None else {})})
+                        **({"then": then_env} if then_env is not None else {}),
+                        **({"job": job} if job is not None else {})})
             pid = self._get(q)["pid"]
             tracer = None
             try:
                 tracer = attach(pid) if attach else None
             except BaseException:
-                self._send({"op": "abort", "id": rid})
+                self._send({"op": "abort", "id": rid, "group": job is not None})
                 self._get(q)
                 raise
             self._send({"op": "go", "id": rid})
@@ -292,7 +311,9 @@ class ForkServer:
                 except queue.Empty:
                     stopped = stopped or (watch() if watch else None)
                     if stopped:
-                        _kill(pid)
+                        _kill(pid, group=job is not None)
+            if job is not None:
+                _kill(pid, group=True)   # no rank outlives its job
             if tracer is not None:
                 try:
                     tracer.wait(timeout=60)
@@ -311,10 +332,16 @@ class ForkServer:
                 self.proc.kill()
 
 
-def _kill(pid: int) -> None:
+def _kill(pid: int, group: bool = False) -> None:
+    """SIGKILL `pid` (with `group`, its process group too: a job's agent and ranks)."""
+    if group:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     try:
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
 
 

@@ -9,6 +9,7 @@ Both can live in the team's pytest configuration (`conformance_adapter = ...`,
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,11 +18,12 @@ import pytest
 from . import evidence, expected
 from . import report as reports
 from . import settings as _settings  # noqa: F401  (registers the Hypothesis profiles)
-from .adapters import AdapterError, TrainerAdapter, resolve
+from .adapters import AdapterError, TrainerAdapter, checked_world_size, resolve
 from .checks import Session
 from .runners import SubprocessRunner, WarmRunner
 from .settings import DEFAULT_GRACE_S, DEFAULT_TOL
-from .usage import describe_setup, unknown_ini_keys
+from .launch import JobConfig
+from .usage import describe_setup, multirank_problems, unknown_ini_keys
 
 OPTIONS = {   # name -> (command-line flag, ini key)
     "adapter": ("--adapter", "conformance_adapter"),
@@ -30,6 +32,8 @@ OPTIONS = {   # name -> (command-line flag, ini key)
     "loss_tol": ("--loss-tol", "conformance_loss_tol"),
     "process_timeout": ("--process-timeout", "conformance_process_timeout"),
     "grace_seconds": ("--grace-seconds", "conformance_grace_seconds"),
+    "world_size": ("--world-size", "conformance_world_size"),
+    "rdzv_port": ("--rdzv-port", "conformance_rdzv_port"),
     "report": ("--conformance-report", "conformance_report"),
     "expected_failures": ("--expected-failures", "conformance_expected_failures"),
 }
@@ -53,6 +57,10 @@ def pytest_addoption(parser):
     group.addoption("--grace-seconds", type=float, default=None, metavar="SECONDS",
                     help=f"preemption: how long after SIGTERM the trainer may run before SIGKILL (default "
                          f"{DEFAULT_GRACE_S:g}; SLURM and Kubernetes default to 30)")
+    group.addoption("--world-size", default=None, metavar="W",
+                    help="run the trainer as W ranks under torchrun (default: the adapter's world_size, or 1)")
+    group.addoption("--rdzv-port", default=None, metavar="PORT",
+                    help="torchrun's rendezvous port for every job (default: a free port per job)")
     group.addoption("--conformance-report", default=None, metavar="DIR",
                     help="write DIR/report.json (every check, its outcome and the numbers behind it), "
                          "DIR/summary.md (for a pull request) and DIR/plots/*.png")
@@ -83,14 +91,15 @@ def conformance_session_for(request, tmp_path_factory):
     timeout = float(timeout) if timeout is not None else None
     grace = option(config, "grace_seconds")
     grace = float(grace) if grace is not None else DEFAULT_GRACE_S
+    jobs = JobConfig(port=rdzv_port(config))
 
-    def get(adapter=None, trainer_cmd=None) -> Session:
+    def get(adapter=None, trainer_cmd=None, world_size=None) -> Session:
         if adapter is None and trainer_cmd is None:
             adapter, trainer_cmd = option(config, "adapter"), option(config, "trainer_cmd")
-        key = (repr(adapter), trainer_cmd)
+        key = (repr(adapter), trainer_cmd, world_size)
         if key not in cache:
-            resolved = _resolve(config, adapter, trainer_cmd)
-            runner = SubprocessRunner() if option(config, "runner") == "fresh" else WarmRunner()
+            resolved = _resolve(config, adapter, trainer_cmd, world_size)
+            runner = SubprocessRunner(jobs=jobs) if option(config, "runner") == "fresh" else WarmRunner(jobs=jobs)
             report_dir = option(config, "report")
             plot_dir = Path(report_dir).resolve() / "plots" if report_dir else None
             cache[key] = Session(resolved, tmp_path_factory.mktemp("conformance"), runner=runner, tol=tol,
@@ -102,14 +111,31 @@ def conformance_session_for(request, tmp_path_factory):
         session.close()
 
 
-def _resolve(config, adapter, trainer_cmd) -> TrainerAdapter:
-    """The trainer named by a class attribute or the options; AdapterError if it cannot be loaded."""
+def rdzv_port(config) -> int | None:
+    value = option(config, "rdzv_port")
+    if value is None:
+        return None
+    try:
+        port = int(value)
+        if not 0 < port < 65536:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"--rdzv-port {value!r} is not a TCP port (1-65535)\n  fix: give a free port, or "
+                                "leave it unset for a free port per job") from None
+    return port
+
+
+def _resolve(config, adapter, trainer_cmd, world_size=None) -> TrainerAdapter:
+    """The trainer named by a class attribute or the options; AdapterError if it cannot be loaded.
+    The world size: the --world-size option, else `world_size` (a class attribute), else the
+    adapter's own."""
+    size = option(config, "world_size") or world_size
     if isinstance(adapter, TrainerAdapter):
-        return adapter
+        return dataclasses.replace(adapter, world_size=checked_world_size(size, "--world-size")) if size else adapter
     if adapter is not None and not isinstance(adapter, str):
         raise AdapterError(f"the adapter class attribute is {adapter!r}",
                            "set it to a 'package.module:attribute' string or a TrainerAdapter")
-    return resolve(adapter, trainer_cmd, rootdir=config.rootpath)
+    return resolve(adapter, trainer_cmd, rootdir=config.rootpath, world_size=size)
 
 
 def _suite_requested(config) -> bool:
@@ -140,7 +166,7 @@ def pytest_pycollect_makeitem(collector, name, obj):
             problem = obj.conformance_problem()
             if problem is None and not obj.configured_by_options:
                 try:
-                    _resolve(collector.config, obj.adapter, obj.trainer_cmd)
+                    _resolve(collector.config, obj.adapter, obj.trainer_cmd, obj.world_size)
                 except AdapterError as exc:
                     problem = f"{obj.__module__}.{obj.__qualname__}: {exc}"
             if problem:
@@ -169,6 +195,11 @@ def pytest_configure(config):
                 adapter = _resolve(config, option(config, "adapter"), option(config, "trainer_cmd"))
             except AdapterError as exc:
                 raise pytest.UsageError(f"cannot use the trainer: {exc}") from None
+            error, warning = multirank_problems(adapter, rdzv_port(config))
+            if error:
+                raise pytest.UsageError(f"cannot launch the trainer's ranks: {error}")
+            if warning:
+                config.issue_config_time_warning(pytest.PytestConfigWarning(f"conformance: {warning}"), stacklevel=2)
             config._conformance_adapter = adapter
     path = option(config, "expected_failures")
     entries = []

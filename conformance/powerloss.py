@@ -92,7 +92,7 @@ class Model:
         self.dirs: set[str] = {"."}
         self.symlinks: dict[str, str] = {}
         self.inodes: dict[int, Inode] = {}
-        self.positions: dict[tuple[int, str], int] = {}
+        self.positions: dict[tuple[int, int, str], int] = {}   # (rank, fd, path) -> offset
         self.entries: list[EntryOp] = []
         self.dir_syncs: dict[str, list[int]] = {}   # directory -> op indices of its fsyncs
 
@@ -103,8 +103,8 @@ class Model:
         return self.names.get(path)
 
     def apply(self, op: Op) -> None:
-        if op.error:
-            return   # an injected failure changed nothing
+        if op.error or not op.effect:
+            return   # an injected failure changed nothing; nor did a mkdir of an existing directory
         k, i = op.kind, op.index
         if k == "mkdir":
             self.dirs.add(op.path)
@@ -118,30 +118,30 @@ class Model:
             if new:
                 self.entries.append(EntryOp(i, "create", op.path, "", self.names[op.path],
                                             frozenset({_parent(op.path)})))
-            self.positions[(op.fd, op.path)] = len(node.data) if "O_APPEND" in op.flags else 0
+            self.positions[(op.rank, op.fd, op.path)] = len(node.data) if "O_APPEND" in op.flags else 0
         elif k == "write":
             if op.data is None:
                 raise UnreplayableTrace(f"op #{i} ({op.describe()}): the recording cut its bytes short")
             buf = self.inodes[self._inode(op.path)].data
-            pos = op.offset if op.offset is not None else self.positions.get((op.fd, op.path), len(buf))
+            pos = op.offset if op.offset is not None else self.positions.get((op.rank, op.fd, op.path), len(buf))
             if pos > len(buf):
                 buf.extend(b"\0" * (pos - len(buf)))
             buf[pos:pos + len(op.data)] = op.data
             if op.offset is None:
-                self.positions[(op.fd, op.path)] = pos + len(op.data)
+                self.positions[(op.rank, op.fd, op.path)] = pos + len(op.data)
         elif k == "copy":   # sendfile/copy_file_range: the source's (volatile) bytes
             source = self.names.get(op.target)
             if source is None or op.offset is None:
                 raise UnreplayableTrace(f"op #{i} ({op.describe()}): the source's bytes are not in the recording")
             data = bytes(self.inodes[source].data[op.offset:op.offset + op.length])
             buf = self.inodes[self._inode(op.path)].data
-            pos = self.positions.get((op.fd, op.path), len(buf))
+            pos = self.positions.get((op.rank, op.fd, op.path), len(buf))
             if pos > len(buf):
                 buf.extend(b"\0" * (pos - len(buf)))
             buf[pos:pos + len(data)] = data
-            self.positions[(op.fd, op.path)] = pos + len(data)
+            self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
         elif k == "seek":
-            self.positions[(op.fd, op.path)] = op.offset
+            self.positions[(op.rank, op.fd, op.path)] = op.offset
         elif k == "truncate":
             node = self.inodes[self._inode(op.path)]
             del node.data[op.offset:]

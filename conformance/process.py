@@ -1,4 +1,5 @@
-"""What a trainer process is given (the command contract's values) and what it leaves behind."""
+"""What a trainer process (or a multi-rank job) is given (the command contract's values) and what it
+leaves behind."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,11 +10,23 @@ from pathlib import Path
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """The command contract's numbers for one run (the checkpoint dir and loss log vary per process)."""
+    """The command contract's numbers for one run (the checkpoint dir and loss log vary per process).
+    `world_size` > 1, or `torchrun`: the trainer runs as that many ranks under torchrun (launch.py);
+    `torchrun` with world_size 1 is a one-rank job (resharding to or from one rank)."""
 
     total_steps: int
     save_every: int
     seed: int
+    world_size: int = 1
+    torchrun: bool = False
+
+    @property
+    def is_job(self) -> bool:
+        return self.world_size > 1 or self.torchrun
+
+    def but(self, **changes) -> "RunSpec":
+        """This spec with some numbers changed (the world size kept unless named)."""
+        return dataclasses.replace(self, **changes)
 
     def env(self, ckpt_dir: Path, loss_log: Path) -> dict[str, str]:
         env = dict(os.environ)
@@ -29,11 +42,16 @@ class RunSpec:
         return env
 
     def describe(self) -> str:
-        return f"total_steps={self.total_steps} save_every={self.save_every} seed={self.seed}"
+        ranks = f" world_size={self.world_size}" if self.is_job else ""
+        return f"total_steps={self.total_steps} save_every={self.save_every} seed={self.seed}{ranks}"
 
 
 @dataclasses.dataclass
 class ProcessResult:
+    """One trainer process, or one multi-rank job (torchrun and its ranks): `losses` is then the
+    global curve (the mean of the ranks' local losses, at the steps every rank logged) and
+    `rank_losses` each rank's own."""
+
     returncode: int
     losses: dict[int, float]
     stderr: str
@@ -42,10 +60,28 @@ class ProcessResult:
     seconds: float = 0.0
     overrun: str = ""          # why the suite stopped it early (a time limit), if it did
     stopped: str = ""          # a planned stop by the suite (after a step, after a grace period)
+    rank_losses: tuple[dict[int, float], ...] = ()   # per rank, for a multi-rank job
+    traces: dict[int, str] = dataclasses.field(default_factory=dict)   # rank -> strace text (jobs)
 
     @property
     def first_step(self) -> int | None:
         return min(self.losses) if self.losses else None
+
+    def curves(self) -> dict[int | None, dict[int, float]]:
+        """What to compare with a baseline: each rank's curve for a job (rank -> losses), else the
+        one curve (None -> losses)."""
+        return dict(enumerate(self.rank_losses)) if self.rank_losses else {None: self.losses}
+
+    def rank_first_steps(self) -> dict[int, int | None]:
+        """Rank -> the first step it logged (None: it logged nothing); empty for one process."""
+        return {r: (min(l) if l else None) for r, l in enumerate(self.rank_losses)}
+
+    def ranks_disagree(self) -> str | None:
+        """For a job whose ranks resumed from different steps: which did what; else None."""
+        firsts = {r: f for r, f in self.rank_first_steps().items() if f is not None}
+        if len(set(firsts.values())) <= 1:
+            return None
+        return ", ".join(f"rank {r} from step {f - 1}" for r, f in sorted(firsts.items()))
 
     def resumed_from(self, spec: RunSpec) -> int:
         """The step this process resumed from (0: fresh); for a process that trained nothing,
@@ -53,6 +89,27 @@ class ProcessResult:
         if self.first_step is not None:
             return self.first_step - 1
         return spec.total_steps if self.returncode == 0 else -1
+
+
+def rank_log(loss_log: Path, rank: int, world_size: int = 2) -> Path:
+    """Where rank `rank` of a multi-rank job logs its local loss: `$CONFORMANCE_LOSS_LOG.rank{r}`
+    (a one-rank job logs to `$CONFORMANCE_LOSS_LOG` itself, as WORLD_SIZE is 1)."""
+    return loss_log if world_size == 1 else loss_log.with_name(f"{loss_log.name}.rank{rank}")
+
+
+def remove_logs(loss_log: Path, world_size: int) -> None:
+    """Delete a run's loss log(s), so a rerun into the same path starts empty (they are appended)."""
+    loss_log.unlink(missing_ok=True)
+    for r in range(world_size):
+        rank_log(loss_log, r).unlink(missing_ok=True)
+
+
+def read_job_losses(loss_log: Path, world_size: int) -> tuple[dict[int, float], tuple[dict[int, float], ...]]:
+    """(global curve, per-rank curves) of a multi-rank job: the global loss of a step is the mean
+    of the ranks' local losses, at the steps every rank logged."""
+    ranks = tuple(read_losses(rank_log(loss_log, r, world_size)) for r in range(world_size))
+    common = set.intersection(*(set(l) for l in ranks)) if ranks else set()
+    return {s: sum(l[s] for l in ranks) / len(ranks) for s in sorted(common)}, ranks
 
 
 def read_losses(path: Path) -> dict[int, float]:

@@ -10,6 +10,12 @@ of them reads a trace or recomputes these facts.
 A save is the set of operations between logging step s and logging step s+1 (the trainer has moved
 on once it logs s+1, believing the save done); it is committed before operation i when all of its
 operations come before i.
+
+A multi-rank job is recorded rank by rank (each rank's own trace, its own steps) and merged into
+one run in the order the operations happened (strace's -ttt entry times, one clock for all
+ranks): a save is then every rank's operations for that step, committed before operation i when
+every rank's part comes before i. Each rank's own run stays available (`rank_view`): kills and
+injections are planned on it, and two runs are aligned rank by rank.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import re
 from pathlib import Path
 
 from . import strace
-from .process import ProcessResult, RunSpec
+from .process import ProcessResult, RunSpec, rank_log
 
 # Operations that change the directory or a file's bytes (crash points are drawn among these).
 MUTATIONS = frozenset({"mkdir", "create", "write", "copy", "truncate", "rename", "unlink", "rmdir", "link",
@@ -56,6 +62,11 @@ class Op:
     targetable: bool = False   # a KILL injected at (syscall, nth) lands here and nowhere earlier
     killed: bool = False       # the process died inside this call
     error: str = ""            # an errno the suite injected: the call failed and changed nothing
+    rank: int = 0              # the rank that made it (0 for a single process)
+    ts: float = 0.0            # when it was entered (seconds since the epoch; 0 if not recorded)
+    local: int = -1            # its index in its rank's own run (jobs; -1 for a single process)
+    effect: bool = True        # False: a mkdir that found the directory there (another rank made it)
+    signalled: bool = False    # the suite injected a signal (SIGTERM) at this call
 
     @property
     def mutation(self) -> bool:
@@ -86,6 +97,29 @@ class RecordedRun:
     reads: frozenset[str]                    # files under the checkpoint directory opened for reading
     preexisting: frozenset[str] = frozenset()  # relative paths present before the run
     unreplayable: str | None = None          # why crash states cannot be rebuilt from this run
+    ranks: dict[int, "RecordedRun"] = dataclasses.field(default_factory=dict)   # jobs: each rank's own run
+
+    @property
+    def is_job(self) -> bool:
+        return bool(self.ranks)
+
+    def rank_view(self, rank: int) -> "RecordedRun":
+        """Rank `rank`'s own run (a single process is its own rank 0)."""
+        if not self.ranks:
+            if rank:
+                raise KeyError(f"a single-process run has no rank {rank}")
+            return self
+        return self.ranks[rank]
+
+    def merged_index(self, rank: int, local: int) -> int:
+        """The index in this (merged) run of op `local` of rank `rank`'s own run."""
+        if not self.ranks:
+            return local
+        return self._merged[(rank, local)]
+
+    @functools.cached_property
+    def _merged(self) -> dict[tuple[int, int], int]:
+        return {(op.rank, op.local): op.index for op in self.ops}
 
     # -- the run's operations and saves -------------------------------------------------------------
     @property
@@ -129,17 +163,28 @@ class RecordedRun:
         return self.ops[op_index].after_step or None
 
     def position_in_save(self, op_index: int) -> int:
-        """1-based position of op `op_index` among its save's mutations."""
-        return self.windows().get(self.ops[op_index].after_step, []).index(op_index) + 1
+        """1-based position of op `op_index` among its save's mutations (its rank's, in a job)."""
+        rank = self.ops[op_index].rank
+        same = [i for i in self.windows().get(self.ops[op_index].after_step, []) if self.ops[i].rank == rank]
+        return same.index(op_index) + 1
 
     def role(self, op_index: int) -> str:
         """What an operation is, independent of run-random names: its place in its save."""
         op, s = self.ops[op_index], self.ops[op_index].after_step
         where = f"the save of step {s}" if s else "the start of the run"
-        return f"{op.kind} #{self.position_in_save(op_index)} of {where}"
+        who = f"rank {op.rank}'s " if self.ranks else ""
+        return f"{who}{op.kind} #{self.position_in_save(op_index)} of {where}"
+
+    def committed_at(self, ts: float) -> int:
+        """The newest save all of whose operations (every rank's) were entered before time `ts`."""
+        return max((s for s, idxs in self.windows().items() if s and self.ops[idxs[-1]].ts < ts), default=0)
 
     def killed_op(self) -> Op | None:
         return next((op for op in self.ops if op.killed), None)
+
+    def signalled_op(self) -> Op | None:
+        """The operation the suite injected a signal (SIGTERM) into, if any."""
+        return next((op for op in self.ops if op.signalled), None)
 
     def failed_op(self) -> Op | None:
         """The operation the suite injected an error into, if any."""
@@ -152,9 +197,39 @@ class RecordedRun:
     _first_to_reach: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
+def from_result(result: ProcessResult, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
+                preexisting: frozenset[str] = frozenset()) -> RecordedRun:
+    """The model of a traced process or job from what it left (its trace texts are dropped from
+    `result` once parsed: a recording's text can be large)."""
+    if not spec.is_job:
+        run = build(strace.parse(result.trace_text), spec, result, ckpt_dir, loss_log, preexisting=preexisting)
+        result.trace_text = ""
+        return run
+    views = {}
+    for r, text in sorted(result.traces.items()):
+        own = dataclasses.replace(result, losses=result.rank_losses[r] if r < len(result.rank_losses) else {},
+                                  rank_losses=(), traces={}, trace_text="")
+        views[r] = build(strace.parse(text), spec, own, ckpt_dir, rank_log(loss_log, r, spec.world_size), preexisting=preexisting,
+                         rank=r)
+    result.traces = {}
+    return merge(views, spec, result, ckpt_dir, preexisting)
+
+
+def merge(views: dict[int, RecordedRun], spec: RunSpec, result: ProcessResult, ckpt_dir: Path,
+          preexisting: frozenset[str]) -> RecordedRun:
+    """One run from the runs of a job's ranks, its operations in the order they were entered."""
+    ops = sorted((op for view in views.values() for op in view.ops), key=lambda op: (op.ts, op.rank, op.local))
+    ops = [dataclasses.replace(op, index=i) for i, op in enumerate(ops)]
+    reads = frozenset().union(*(v.reads for v in views.values())) if views else frozenset()
+    problems = [f"rank {r}: {v.unreplayable}" for r, v in sorted(views.items()) if v.unreplayable]
+    first = views[min(views)] if views else None
+    return RecordedRun(spec, result, Path(ckpt_dir), tuple(ops), first.step_logs if first else {}, reads,
+                       preexisting, "; ".join(problems) or None, ranks=dict(views))
+
+
 def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, ckpt_dir: Path,
-          loss_log: Path, *, preexisting: frozenset[str] = frozenset()) -> RecordedRun:
-    """The model of a run from its parsed trace."""
+          loss_log: Path, *, preexisting: frozenset[str] = frozenset(), rank: int | None = None) -> RecordedRun:
+    """The model of a run (or of one rank's process, with `rank`) from its parsed trace."""
     root_s, log_s = str(ckpt_dir), str(loss_log)
     first_to_reach: dict[tuple[str, int], int] = {}
     for sc in syscalls:
@@ -185,22 +260,37 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
         inside = not path.startswith("/") or not kw.get("target", "/").startswith("/")
         targetable = kind != "create" and first_to_reach.get((sc.name, sc.nth)) == sc.seq
         ops.append(Op(len(ops), kind, path, after_step=logged, inside=inside, syscall=sc.name, nth=sc.nth,
-                      tid=sc.tid, targetable=targetable, killed=sc.killed, error=sc.injected_error or "", **kw))
+                      tid=sc.tid, targetable=targetable, killed=sc.killed, error=sc.injected_error or "",
+                      rank=rank or 0, ts=sc.ts, signalled=bool(sc.signalled), **kw))
 
     for sc in syscalls:
         if sc.failed and not sc.injected_error:
+            if rank is not None and sc.name in ("mkdir", "mkdirat") and (sc.ret or "").startswith("-1 EEXIST"):
+                # In a job every rank may create the same directory (DCP's writers do): which one
+                # gets EEXIST is a race, so each rank's call counts as its operation, with no effect.
+                path = rel(strace.resolve(sc.args[0], sc.args[1]) if sc.name == "mkdirat"
+                           else strace.resolve(None, sc.args[0]))
+                if path is not None and path != ".":
+                    add(sc, "mkdir", path, effect=False)
             continue   # a failed call changes nothing (an injected failure is kept, marked, for landing)
         call, args = sc.name, sc.args
         if call in _WRITE_CALLS:
             if not args:
                 continue
             if strace.fd_path(args[0]) == log_s:
-                if not sc.killed:
+                if (sc.signalled or sc.injected_error) and not sc.killed:
+                    # Where an injected signal or error hit (a fault meant for another call): kept
+                    # to tell how far off the count was. A signalled write still logged its step.
+                    ops.append(Op(len(ops), "log", log_s, after_step=logged, inside=False, syscall=call,
+                                  nth=sc.nth, tid=sc.tid, signalled=bool(sc.signalled),
+                                  error=sc.injected_error or "", rank=rank or 0, ts=sc.ts,
+                                  targetable=first_to_reach.get((sc.name, sc.nth)) == sc.seq))
+                if not sc.killed and not sc.injected_error:
                     logged = _logged_step(sc, logged, ordered_steps)
                     step_logs[logged] = sc
                 else:
                     ops.append(Op(len(ops), "log", log_s, after_step=logged, inside=False, syscall=call,
-                                  nth=sc.nth, tid=sc.tid, killed=True,
+                                  nth=sc.nth, tid=sc.tid, killed=True, rank=rank or 0, ts=sc.ts,
                                   targetable=first_to_reach.get((sc.name, sc.nth)) == sc.seq))
                 continue
             path = rel(strace.fd_path(args[0]))
@@ -290,7 +380,7 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
                      if not p.startswith("/") or p in feeding]
     kept = [op for op in ops if op.inside or op.kind == "log"
             or any(op.path == f or op.path.startswith(f + "/") for f in feeding)]
-    kept = [dataclasses.replace(op, index=i) for i, op in enumerate(kept)]
+    kept = [dataclasses.replace(op, index=i, local=i if rank is not None else -1) for i, op in enumerate(kept)]
     run = RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(reads), preexisting,
                       "; ".join(dict.fromkeys(unreplayable)) or None)
     run._first_to_reach = first_to_reach

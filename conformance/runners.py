@@ -2,140 +2,64 @@
 
 A `Runner` is the only thing that launches trainers. `SubprocessRunner` starts a fresh interpreter
 per process; `WarmRunner` forks them from a process that imported torch and the trainer once
-(forkserver.py), for `python -m module` trainers run with the suite's own interpreter.
+(forkserver.py), for `python -m module` and `python train.py` trainers whose interpreter imports
+the suite's torch. A spec with world_size > 1 runs as a torchrun job (launch.py): one process per
+rank, each traced (or not) on its own, all stopped together.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
-from . import recording, strace
+from . import launch, recording, strace
 from .adapters import TrainerAdapter
-from .process import ProcessResult, RunSpec, read_losses
+from .process import ProcessResult, RunSpec, read_job_losses, read_losses
+from .watchdog import Limits, ProcessOverran, Stop, Watchdog
+
+__all__ = ["Limits", "ProcessOverran", "Stop", "Watchdog", "Runner", "SubprocessRunner", "WarmRunner", "Tracing",
+           "traced_run"]
 
 POLL_S = 0.05
 
 
-class ProcessOverran(Exception):
-    """A trainer process broke a time or size limit and was killed; the message says which."""
-
-    def __init__(self, problem: str, result: ProcessResult):
-        super().__init__(problem)
-        self.problem, self.result = problem, result
-
-
 @dataclasses.dataclass(frozen=True)
-class Limits:
-    """How long one trainer process may run, how long it may go without logging a step, and how
-    large its strace output may grow. Derived from the baseline's duration (see checks/session.py)."""
+class Tracing:
+    """strace for the processes of one run: rank -> (strace argv prefix, its output file). A single
+    process is rank 0; a rank of a job that is not named runs untraced."""
 
-    total_s: float = 600.0
-    stall_s: float = 120.0
-    trace_bytes: int = int(os.environ.get("CONFORMANCE_TRACE_CAP", str(4 << 30)))
+    ranks: dict[int, tuple[tuple[str, ...], Path]]
 
+    @classmethod
+    def each(cls, spec: RunSpec, trace_file: Path, argv_for, ranks=None) -> "Tracing":
+        """Every rank (or those in `ranks`) traced with `argv_for(its trace file)`; a single
+        process uses `trace_file` itself, rank r of a job `<trace_file>.rank<r>`."""
+        if not spec.is_job:
+            return cls({0: (tuple(argv_for(trace_file)), trace_file)})
+        chosen = range(spec.world_size) if ranks is None else ranks
+        files = {r: trace_file.with_name(f"{trace_file.name}.rank{r}") for r in chosen}
+        return cls({r: (tuple(argv_for(f)), f) for r, f in files.items()})
 
-@dataclasses.dataclass(frozen=True)
-class Stop:
-    """A planned end for a process, besides its own exit: after it logs a step (it went on
-    training past the point of interest), or a grace period after a SIGTERM reached it (what a
-    scheduler does: SIGTERM, wait, SIGKILL)."""
-
-    after_step: int | None = None
-    grace_s: float | None = None
-
-
-class Watchdog:
-    """Reads the loss log (and the trace) as they grow and says when a process must be stopped,
-    and why. `planned` is set when the stop was a planned one, not a broken limit."""
-
-    def __init__(self, limits: Limits, spec: RunSpec, loss_log: Path, trace_file: Path | None,
-                 stop: Stop | None = None):
-        self.limits, self.spec, self.loss_log, self.trace_file = limits, spec, loss_log, trace_file
-        self.stop = stop or Stop()
-        self.start = self.progress_at = time.monotonic()
-        self.offset, self.last_step, self.partial = 0, 0, b""
-        self.planned: str | None = None
-        self.signalled_at: float | None = None
-        self.trace_offset = 0
-
-    def _read_steps(self) -> None:
-        try:
-            with open(self.loss_log, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except OSError:
-            return
-        self.offset += len(chunk)
-        lines = (self.partial + chunk).split(b"\n")
-        self.partial = lines.pop()
-        for line in lines:
-            try:
-                step = int(json.loads(line)["step"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if step > self.last_step or self.last_step == 0:
-                self.progress_at = time.monotonic()
-            self.last_step = max(self.last_step, step)
-
-    def _signal_seen(self) -> bool:
-        """Whether strace's output shows the SIGTERM delivered (it writes each line as it happens)."""
-        if self.signalled_at is None and self.trace_file is not None:
-            start = max(0, self.trace_offset - 32)   # a marker may straddle two reads
-            try:
-                with open(self.trace_file, "rb") as f:
-                    f.seek(start)
-                    chunk = f.read()
-            except OSError:
-                return False
-            self.trace_offset = start + len(chunk)
-            if b"--- SIGTERM " in chunk:
-                self.signalled_at = time.monotonic()
-        return self.signalled_at is not None
-
-    def problem(self) -> str | None:
-        self._read_steps()
-        now, total = time.monotonic(), self.spec.total_steps
-        if self.stop.after_step is not None and self.last_step >= self.stop.after_step:
-            self.planned = f"stopped by the suite after it logged step {self.last_step}"
-            return self.planned
-        if self.stop.grace_s is not None and self._signal_seen() and now - self.signalled_at > self.stop.grace_s:
-            self.planned = f"SIGKILLed {self.stop.grace_s:g} s after SIGTERM (still running at the end of the grace period)"
-            return self.planned
-        if self.last_step > total:
-            return f"ran past CONFORMANCE_TOTAL_STEPS (logged step {self.last_step} of {total})"
-        if now - self.start > self.limits.total_s:
-            return (f"did not finish {total} steps in {self.limits.total_s:.0f} s "
-                    f"({f'logged up to step {self.last_step}' if self.last_step else 'logged no step'})")
-        if now - self.progress_at > self.limits.stall_s:
-            after = f"after step {self.last_step}" if self.last_step else "before logging any step"
-            return f"made no progress for {self.limits.stall_s:.0f} s {after}"
-        if self.trace_file is not None:
-            try:
-                size = self.trace_file.stat().st_size
-            except OSError:
-                size = 0
-            if size > self.limits.trace_bytes:
-                return f"its strace output grew past {self.limits.trace_bytes} bytes (CONFORMANCE_TRACE_CAP)"
-        return None
+    def files(self) -> list[Path]:
+        return [f for _, f in self.ranks.values()]
 
 
 class Runner(Protocol):
-    """Runs one trainer process to its end and reports what it left; raises ProcessOverran if
-    the process had to be stopped."""
+    """Runs one trainer process (or job) to its end and reports what it left; raises
+    ProcessOverran if it had to be stopped."""
 
     limits: Limits
+    jobs: launch.JobConfig
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
-                    prefix: list[str] | None = None, trace_file: Path | None = None,
-                    stop: Stop | None = None) -> ProcessResult: ...
+                    tracing: Tracing | None = None, stop: Stop | None = None) -> ProcessResult: ...
 
     def close(self) -> None: ...
 
@@ -144,112 +68,289 @@ def _trace_text(trace_file: Path | None) -> str:
     return trace_file.read_text(errors="replace") if trace_file and trace_file.exists() else ""
 
 
-def _finish(rc: int, err: str, loss_log: Path, trace_file: Path | None, start: float, overrun: str | None,
-            watch: Watchdog) -> ProcessResult:
+def _finish(rc: int, err: str, spec: RunSpec, loss_log: Path, tracing: Tracing | None, start: float,
+            overrun: str | None, watch: Watchdog) -> ProcessResult:
     planned = overrun is not None and overrun == watch.planned
-    result = ProcessResult(rc, read_losses(loss_log), err, "" if overrun and not planned else _trace_text(trace_file),
-                           seconds=time.monotonic() - start, overrun="" if planned else overrun or "",
-                           stopped=(watch.planned or "") if planned else "")
+    keep_traces = not (overrun and not planned)
+    if not spec.is_job:
+        trace = _trace_text(tracing.ranks[0][1]) if tracing and keep_traces else ""
+        losses, ranks, traces = read_losses(loss_log), (), {}
+    else:
+        trace = ""
+        losses, ranks = read_job_losses(loss_log, spec.world_size)
+        traces = {r: _trace_text(f) for r, (_, f) in tracing.ranks.items()} if tracing and keep_traces else {}
+    result = ProcessResult(rc, losses, err, trace, seconds=time.monotonic() - start,
+                           overrun="" if planned else overrun or "", stopped=(watch.planned or "") if planned else "",
+                           rank_losses=ranks, traces=traces)
     if overrun and not planned:
         raise ProcessOverran(overrun, result)
     return result
 
 
-class SubprocessRunner:
-    """One fresh interpreter per trainer process."""
+def _job_stderr(launcher: str, template: Path, world_size: int) -> str:
+    """One text from a job's stderr files: the launcher's (without its banners), then each rank's
+    lines prefixed with its rank, the rank that wrote last first, so the tail shows the rank that
+    failed first (the others usually fail because it did)."""
+    parts = []
+    ranks = []
+    for r in range(world_size):
+        path = launch.rank_stderr(template, r)
+        try:
+            text, mtime = path.read_text(errors="replace"), path.stat().st_mtime
+        except OSError:
+            continue
+        if text.strip():
+            ranks.append((mtime, r, text))
+    kept = [line for line in launcher.splitlines() if line.strip() and "*****" not in line
+            and "OMP_NUM_THREADS" not in line]
+    if kept:
+        parts.append("\n".join(f"[torchrun] {line}" for line in kept))
+    for _, r, text in sorted(ranks, reverse=True):
+        parts.append("\n".join(f"[rank {r}] {line}" for line in text.splitlines()))
+    return "\n".join(parts)
 
-    def __init__(self, limits: Limits | None = None):
+
+class _Jobs:
+    """What both runners do for a job: a free port per attempt (or the session's fixed one), and
+    a new attempt when another process took the port first."""
+
+    ATTEMPTS = 3
+
+    jobs: launch.JobConfig
+
+    def _with_port(self, run_once, spec: RunSpec) -> ProcessResult:
+        for attempt in range(self.ATTEMPTS):
+            port = self.jobs.port or launch.free_port()
+            result = run_once(port)
+            retry = (result.returncode != 0 and not any(result.rank_losses) and launch.port_in_use(result.stderr)
+                     and self.jobs.port is None and attempt + 1 < self.ATTEMPTS)
+            if not retry:
+                return result
+        return result
+
+
+class SubprocessRunner(_Jobs):
+    """One fresh interpreter per trainer process (a job: the torchrun program)."""
+
+    def __init__(self, limits: Limits | None = None, jobs: launch.JobConfig | None = None):
         self.limits = limits or Limits()
+        self.jobs = jobs or launch.JobConfig()
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
-                    prefix: list[str] | None = None, trace_file: Path | None = None,
-                    stop: Stop | None = None) -> ProcessResult:
-        argv = list(prefix or []) + list(adapter.argv)
+                    tracing: Tracing | None = None, stop: Stop | None = None) -> ProcessResult:
+        if spec.is_job:
+            return self._with_port(lambda port: self._run(adapter, spec, ckpt_dir, loss_log, tracing, stop, port),
+                                   spec)
+        return self._run(adapter, spec, ckpt_dir, loss_log, tracing, stop, None)
+
+    def _run(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path,
+             tracing: Tracing | None, stop: Stop | None, port: int | None) -> ProcessResult:
+        env = adapter.environment(spec.env(ckpt_dir, loss_log))
+        template = loss_log.with_name(loss_log.name + ".stderr.rank{rank}")
+        if port is None:
+            argv = list(tracing.ranks[0][0] if tracing else ()) + list(adapter.argv)
+        else:
+            argv = launch.fresh_argv(adapter.argv, spec.world_size, port)
+            env = launch.rank_env(env, stderr_template=template,
+                                  straces={r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())})
         start = time.monotonic()
-        watch = Watchdog(self.limits, spec, loss_log, trace_file, stop)
+        proc_box: list[subprocess.Popen] = []
+
+        def term_job() -> None:
+            if proc_box:
+                _signal_group(proc_box[0].pid, signal.SIGTERM)
+
+        watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
+                         on_signal=term_job if port is not None else None)
         err_path = loss_log.with_name(loss_log.name + ".stderr")
         with open(err_path, "w+b") as err_file:
-            proc = subprocess.Popen(argv, env=adapter.environment(spec.env(ckpt_dir, loss_log)), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=err_file, start_new_session=True)
+            proc_box.append(proc)
             overrun = None
             while proc.poll() is None:
                 overrun = watch.problem()
                 if overrun:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    _signal_group(proc.pid, signal.SIGKILL)
                     proc.wait()
                     break
                 time.sleep(POLL_S)
+            if port is not None:
+                _signal_group(proc.pid, signal.SIGKILL)   # no rank outlives its job
             err_file.seek(0)
             err = err_file.read().decode(errors="replace")
-        return _finish(proc.returncode, err, loss_log, trace_file, start, overrun, watch)
+        if port is not None:
+            err = _job_stderr(err, template, spec.world_size)
+        return _finish(proc.returncode, err, spec, loss_log, tracing, start, overrun, watch)
 
     def close(self) -> None:
         pass
 
 
-class WarmRunner:
+class WarmRunner(_Jobs):
     """Forks trainer processes from a warm process that has imported torch and the trainer's
-    module once (see forkserver.py). Trainers that are not `python -m module` with this
-    interpreter fall back to a fresh interpreter."""
+    module once (see forkserver.py); a job's agent is forked the same way and forks its ranks.
+    Trainers the server cannot run (another interpreter, a shell wrapper) fall back to a fresh
+    interpreter."""
 
-    def __init__(self, limits: Limits | None = None):
+    def __init__(self, limits: Limits | None = None, jobs: launch.JobConfig | None = None):
         self._servers: dict = {}
-        self._fallback = SubprocessRunner()
+        self.jobs = jobs or launch.JobConfig()
+        self._fallback = SubprocessRunner(jobs=self.jobs)
         self._lock = threading.Lock()
         self.limits = limits or Limits()
 
-    def _server(self, adapter: TrainerAdapter, target):
-        from .forkserver import ForkServer
+    def _server(self, adapter: TrainerAdapter, target, *, job: bool = False):
+        from .forkserver import JOB_PRELOAD, ForkServer
         with self._lock:
-            key = (target.interpreter, target.kind, target.target, adapter.pythonpath)
+            key = (target.interpreter, target.kind, target.target, adapter.pythonpath, job)
             if key not in self._servers:
                 preload = [target.target] if target.kind == "module" else script_imports(target.target)
-                self._servers[key] = ForkServer(preload, env=adapter.environment(dict(os.environ)),
+                self._servers[key] = ForkServer(preload + (JOB_PRELOAD if job else []),
+                                                env=adapter.environment(dict(os.environ)),
                                                 interpreter=target.interpreter)
             return self._servers[key]
 
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
-                    prefix: list[str] | None = None, trace_file: Path | None = None,
-                    stop: Stop | None = None) -> ProcessResult:
+                    tracing: Tracing | None = None, stop: Stop | None = None) -> ProcessResult:
         from .forkserver import warm_target
         target, _ = warm_target(adapter)
         if target is None:
-            self._fallback.limits = self.limits
-            return self._fallback.run_process(adapter, spec, ckpt_dir, loss_log, prefix=prefix, trace_file=trace_file,
-                                              stop=stop)
+            self._fallback.limits, self._fallback.jobs = self.limits, self.jobs
+            return self._fallback.run_process(adapter, spec, ckpt_dir, loss_log, tracing=tracing, stop=stop)
+        if spec.is_job:
+            return self._with_port(lambda port: self._run_job(adapter, target, spec, ckpt_dir, loss_log, tracing,
+                                                              stop, port), spec)
         stderr_path = loss_log.with_name(loss_log.name + ".stderr")
-        attach = (lambda pid: attach_strace(prefix, pid)) if prefix else None
+        attach = (lambda pid: attach_strace(list(tracing.ranks[0][0]), pid)) if tracing else None
         start = time.monotonic()
-        watch = Watchdog(self.limits, spec, loss_log, trace_file, stop)
+        watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop)
         rc, overrun = self._server(adapter, target).run(target.target, list(target.argv),
                                                         adapter.environment(spec.env(ckpt_dir, loss_log)),
                                                         stderr_path, attach, watch=watch.problem, poll=POLL_S,
                                                         kind=target.kind)
         err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-        return _finish(rc, err, loss_log, trace_file, start, overrun, watch)
+        return _finish(rc, err, spec, loss_log, tracing, start, overrun, watch)
+
+    def _run_job(self, adapter: TrainerAdapter, target, spec: RunSpec, ckpt_dir: Path, loss_log: Path,
+                 tracing: Tracing | None, stop: Stop | None, port: int) -> ProcessResult:
+        stderr_path = loss_log.with_name(loss_log.name + ".stderr")
+        template = loss_log.with_name(loss_log.name + ".stderr.rank{rank}")
+        announce = Path(tempfile.mkdtemp(prefix="ranks-", dir=loss_log.parent))
+        straces = {r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())}
+        env = launch.rank_env(adapter.environment(spec.env(ckpt_dir, loss_log)), stderr_template=template,
+                              straces=straces, announce=announce)
+        attacher = RankAttacher(announce, straces)
+        job_pid: list[int] = []
+
+        def attach(pid: int):
+            job_pid.append(pid)
+            return attacher.start()
+
+        start = time.monotonic()
+        watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
+                         on_signal=lambda: _signal_group(job_pid[0], signal.SIGTERM) if job_pid else None)
+        try:
+            rc, overrun = self._server(adapter, target, job=True).run(
+                target.target, list(target.argv), env, stderr_path, attach, watch=watch.problem, poll=POLL_S,
+                kind=target.kind, job=launch.torchrun_flags(spec.world_size, port))
+        finally:
+            attacher.close()
+            shutil.rmtree(announce, ignore_errors=True)
+        err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
+        return _finish(rc, _job_stderr(err, template, spec.world_size), spec, loss_log, tracing, start, overrun,
+                       watch)
 
     def run_twice(self, adapter: TrainerAdapter, first: RunSpec, second: RunSpec, ckpt_dir: Path,
                   first_log: Path, second_log: Path) -> ProcessResult | None:
         """Run the trainer with `first`, then again with `second` in the same process (only for
-        trainers the fork server runs); the second run's result, or None if not possible."""
+        single-process trainers the fork server runs); the second run's result, or None if not
+        possible."""
         from .forkserver import warm_target
         target, _ = warm_target(adapter)
-        if target is None:
+        if target is None or first.is_job:
             return None
         stderr_path = second_log.with_name(second_log.name + ".stderr")
         start = time.monotonic()
-        watch = Watchdog(dataclasses.replace(self.limits, stall_s=self.limits.total_s), second, second_log, None)
+        watch = Watchdog(dataclasses.replace(self.limits, stall_s=self.limits.total_s), second, second_log, [])
         rc, overrun = self._server(adapter, target).run(
             target.target, list(target.argv), adapter.environment(first.env(ckpt_dir, first_log)), stderr_path,
             watch=watch.problem, poll=POLL_S, then_env=adapter.environment(second.env(ckpt_dir, second_log)),
             kind=target.kind)
         err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-        return _finish(rc, err, second_log, None, start, overrun, watch)
+        return _finish(rc, err, second, second_log, None, start, overrun, watch)
 
     def close(self) -> None:
         for server in self._servers.values():
             server.close()
         self._servers.clear()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class RankAttacher:
+    """Warm jobs: as each traced rank announces its pid (rank.warm_rank), attach its strace and
+    release it. `start()` returns this object, which the fork server client waits on like a
+    single strace (`wait`, `kill`)."""
+
+    def __init__(self, directory: Path, straces: dict[int, list[str]]):
+        self.directory, self.straces = directory, straces
+        self.go: dict[int, int] = {}
+        for r in straces:
+            fifo = directory / f"go.rank{r}"
+            os.mkfifo(fifo)
+            self.go[r] = os.open(fifo, os.O_RDWR)   # never blocks; the rank opens the read end
+        self.tracers: list[subprocess.Popen] = []
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> "RankAttacher":
+        if self.straces:
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        pending = set(self.straces)
+        while pending and not self._done.is_set():
+            for r in sorted(pending):
+                path = self.directory / f"rank{r}"
+                if not path.exists():
+                    continue
+                try:
+                    self.tracers.append(attach_strace(self.straces[r], int(path.read_text())))
+                except BaseException as exc:   # the rank stays blocked; the job's watchdog ends it
+                    self.error = exc
+                    return
+                os.write(self.go[r], b"g")
+                pending.discard(r)
+            time.sleep(0.001)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        for tracer in self.tracers:
+            try:
+                tracer.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                tracer.kill()
+
+    def kill(self) -> None:
+        self._done.set()
+        for tracer in self.tracers:
+            tracer.kill()
+
+    def close(self) -> None:
+        self.wait(timeout=60)
+        for fd in self.go.values():
+            os.close(fd)
+        self.go.clear()
 
 
 def script_imports(path: str) -> list[str]:
@@ -293,9 +394,9 @@ def listing(directory: Path) -> frozenset[str]:
 
 def traced_run(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, workdir: Path, *, tag: str = "baseline",
                prepare: Path | None = None, data: bool = False, trace: bool = True) -> recording.RecordedRun:
-    """Run uninterrupted under strace: with `data`, a recording crash states can be rebuilt from.
-    `prepare` is a checkpoint directory to start from (copied). Without `trace` (strace unusable
-    here), the run's losses only: no operations."""
+    """Run uninterrupted under strace (every rank of a job): with `data`, a recording crash states
+    can be rebuilt from. `prepare` is a checkpoint directory to start from (copied). Without
+    `trace` (strace unusable here), the run's losses only: no operations."""
     ckpt = (workdir / f"{tag}-ckpt").resolve()
     if ckpt.exists():
         shutil.rmtree(ckpt)
@@ -306,10 +407,10 @@ def traced_run(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, workdir: 
     before = listing(ckpt)
     log = (workdir / f"{tag}-loss.jsonl").resolve()
     log.unlink(missing_ok=True)
-    trace_file = workdir / f"{tag}.strace"
-    result = runner.run_process(adapter, spec, ckpt, log, prefix=strace.record_argv(trace_file, data=data)
-                                if trace else None, trace_file=trace_file if trace else None)
-    run = recording.build(strace.parse(result.trace_text), spec, result, ckpt, log, preexisting=before)
-    result.trace_text = ""   # parsed: a recording's text can be large
-    trace_file.unlink(missing_ok=True)
+    tracing = Tracing.each(spec, workdir / f"{tag}.strace", lambda f: strace.record_argv(f, data=data)) \
+        if trace else None
+    result = runner.run_process(adapter, spec, ckpt, log, tracing=tracing)
+    run = recording.from_result(result, spec, ckpt, log, preexisting=before)
+    for f in tracing.files() if tracing else ():
+        f.unlink(missing_ok=True)
     return run

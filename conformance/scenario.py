@@ -5,9 +5,16 @@ A kill is planned on a process's own uninterrupted run (the baseline for the fir
 traced run on a copy of the directory for later ones) and delivered by strace at (syscall, nth).
 The killed process is traced too, and aligned with its planned run (alignment.py): the kill
 landed if the same operation was hit after the same operations, run-random names aside.
+
+In a multi-rank job a point names a rank: the kill is planned on that rank's own run and only that
+rank is traced; torchrun then stops the others. What "committed before the kill" means spans the
+ranks: a save every rank finished before that moment. The other ranks run on until they notice
+(at their next collective), so a save the killed rank had finished its part of may still be
+committed after the kill: `newest_possible`.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import shutil
 from pathlib import Path
@@ -15,8 +22,8 @@ from pathlib import Path
 from . import alignment, recording, strace
 from .adapters import TrainerAdapter
 from .crash import CrashPoint, Schedule
-from .process import ProcessResult, RunSpec
-from .runners import Runner, traced_run
+from .process import ProcessResult, RunSpec, rank_log, remove_logs
+from .runners import Runner, Tracing, traced_run
 
 
 class CrashNotLanded(AssertionError):
@@ -37,29 +44,47 @@ class PlannedKill:
     syscall: str
     nth: int
     text: str                   # what it interrupts, for messages
-    mutations_before: int       # mutations under the checkpoint dir that happen before the kill
-    newest_committed: int       # newest save finished before the kill
+    mutations_before: int       # mutations under the checkpoint dir that happen before the kill (its rank's)
+    newest_committed: int       # newest save finished (by every rank) before the kill
     in_progress: int | None     # the save the kill interrupts, if inside one
+    newest_possible: int = 0    # newest save that can be committed once the kill has happened
+
+    def allowed_resumes(self) -> set[int]:
+        """Steps the next start may rightly resume from: the newest committed save, the one the
+        kill interrupted (if the trainer can tell it is complete), and in a job any save the killed
+        rank had finished its part of (the others may commit it after the kill)."""
+        lo, hi = self.newest_committed, max(self.newest_possible, self.newest_committed)
+        return {lo, hi} | ({self.in_progress} if self.in_progress else set())
 
 
 def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
-    """The kill for `point` in a process whose uninterrupted run is `run`; None if it cannot be
-    hit. `fs:i` counts targetable mutations and wraps around, so every drawn index names one."""
+    """The kill for `point` in a process (or a job) whose uninterrupted run is `run`; None if it
+    cannot be hit. `fs:i` counts targetable mutations (of the point's rank) and wraps around, so
+    every drawn index names one."""
+    try:
+        view = run.rank_view(point.on_rank)
+    except KeyError:
+        return None
+    who = f"rank {point.on_rank}: " if run.is_job else ""
     if point.kind == "step":
-        log = run.step_logs.get(point.index + 1)
-        if log is None or not run.step_targetable(point.index + 1):
+        log = view.step_logs.get(point.index + 1)
+        if log is None or not view.step_targetable(point.index + 1):
             return None
-        before = sum(1 for i in run.mutations if run.ops[i].after_step <= point.index)
-        return PlannedKill(point, log.name, log.nth, f"logging step {point.index + 1}", before,
-                           run.committed_by_step(point.index), None)
-    points = run.crash_points()
+        before = sum(1 for i in view.mutations if view.ops[i].after_step <= point.index)
+        own = view.committed_by_step(point.index)
+        newest = run.committed_at(log.ts) if run.is_job else own
+        return PlannedKill(point, log.name, log.nth, f"{who}logging step {point.index + 1}", before, newest, None,
+                           max(own, newest))
+    points = view.crash_points()
     if not points:
         return None
     k = points[point.index % len(points)]
-    op = run.ops[run.mutations[k]]
-    save = run.in_progress(op.index)
-    where = f"{run.role(op.index)}: {op.describe()}"
-    return PlannedKill(point, op.syscall, op.nth, where, k, run.committed_before(op.index), save)
+    op = view.ops[view.mutations[k]]
+    save = view.in_progress(op.index)
+    own = view.committed_before(op.index)
+    newest = run.committed_before(run.merged_index(op.rank, op.index)) if run.is_job else own
+    where = f"{who}{view.role(op.index)}: {op.describe()}"
+    return PlannedKill(point, op.syscall, op.nth, where, k, newest, save, max(own, newest, save or 0))
 
 
 @dataclasses.dataclass
@@ -97,9 +122,10 @@ class TrialOutcome:
 def check_landed(kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun,
                  result: ProcessResult) -> None:
     """Raise CrashNotLanded unless the killed process died on the planned operation, having made
-    the same operations before it as its planned run (run-random names aside)."""
+    the same operations before it as its planned run (run-random names aside). For a job,
+    `planned` and `landed` are the killed rank's own runs (the job itself exits non-zero)."""
     hit = landed.killed_op()
-    if result.returncode not in (-9, 137) or hit is None:
+    if (result.returncode not in (-9, 137) and not result.rank_losses) or hit is None:
         raise CrashNotLanded(
             f"crash point {kill.point} (planned: {kill.text}, {kill.syscall} #{kill.nth}) was not "
             f"delivered: the process exited {result.returncode} without being killed there")
@@ -113,8 +139,8 @@ def check_landed(kill: PlannedKill, planned: recording.RecordedRun, landed: reco
         problem = (f"the killed run made {len(done)} operation(s) under the checkpoint directory before "
                    f"the kill, the planned run {kill.mutations_before}")
     elif expected_hit == "log":
-        if hit.kind != "log" or max(result.losses, default=0) != kill.point.index:
-            problem = f"the kill hit {hit.describe()} after step {max(result.losses, default=0)} was logged"
+        if hit.kind != "log" or max(landed.losses, default=0) != kill.point.index:
+            problem = f"the kill hit {hit.describe()} after step {max(landed.losses, default=0)} was logged"
     else:
         target = landed.mutations[kill.mutations_before] if kill.mutations_before < len(landed.mutations) else None
         if target is None or not landed.ops[target].killed:
@@ -128,6 +154,87 @@ def check_landed(kill: PlannedKill, planned: recording.RecordedRun, landed: reco
             f"crash point {kill.point} was planned at {kill.text} but did not land there: {problem}. "
             "The trainer's filesystem operations differ between runs (threads racing, or names "
             "that are neither a function of the step nor fresh per run)")
+
+
+# A job's kill is delivered at most this often (see count_shift).
+DELIVERY_ATTEMPTS = 8
+
+
+def check_landed_on_log(kill: PlannedKill, landed: recording.RecordedRun) -> None:
+    """For a kill delivered by path (a job's step point): the rank died writing the next step's
+    loss, having logged exactly the planned steps."""
+    hit = landed.killed_op()
+    logged = max(landed.losses, default=0)
+    if hit is None or hit.kind != "log" or logged != kill.point.index:
+        raise CrashNotLanded(f"crash point {kill.point} was planned at {kill.text} but did not land there: "
+                             + ("the rank was not killed" if hit is None else
+                                f"the kill hit {hit.describe()} after step {logged} was logged"))
+
+
+def count_shift(kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun) -> int | None:
+    """How many more calls of the kill's syscall a rank made in `landed` than in its planned run
+    before the same point; None if that cannot be told.
+
+    A job's ranks make a few `write` calls whose number depends on timing (gloo wakes its I/O loop
+    with a one-byte pipe write while it connects a process group), all before training starts, so
+    a count planned on one run is off by a small constant in another. It shows at the first loss
+    log write; failing that, at the operation the fault hit."""
+    first = min(planned.step_logs, default=None)
+    if first is not None and first in landed.step_logs and planned.step_logs[first].name == kill.syscall \
+            and landed.step_logs[first].name == kill.syscall:
+        return landed.step_logs[first].nth - planned.step_logs[first].nth
+    hit = landed.killed_op() or landed.failed_op() or landed.signalled_op()
+    if hit is None or hit.syscall != kill.syscall:
+        return None
+    if hit.kind == "log":
+        same = planned.step_logs.get(hit.after_step + 1)   # the step it was logging
+        return hit.nth - same.nth if same is not None and same.name == hit.syscall else None
+    done = [i for i in landed.mutations if i < hit.index]
+    if len(done) >= len(planned.mutations):
+        return None
+    same_op = planned.ops[planned.mutations[len(done)]]
+    return hit.nth - same_op.nth if same_op.syscall == hit.syscall else None
+
+
+class ShiftGuesses:
+    """The shifts seen so far for each planned run (see count_shift), landed or not. Each run's
+    own shift is drawn anew, so the best guess for the next attempt is the most common one; with
+    none seen yet, 0 and then small shifts in turn."""
+
+    FALLBACK = (0, 1, 2, -1, 3, -2, 4, -3)
+
+    def __init__(self):
+        self.seen: dict[int, collections.Counter[int]] = {}
+
+    def record(self, run: recording.RecordedRun, shift: int | None) -> None:
+        if shift is not None:
+            self.seen.setdefault(id(run), collections.Counter())[shift] += 1
+
+    def guess(self, run: recording.RecordedRun, attempt: int) -> int:
+        counts = self.seen.get(id(run))
+        if counts:
+            return counts.most_common(1)[0][0]
+        return self.FALLBACK[(attempt - 1) % len(self.FALLBACK)]
+
+
+SHIFTS = ShiftGuesses()
+
+
+class DirectorySnapshot:
+    """A copy of a checkpoint directory taken before a delivery that may have to be retried."""
+
+    def __init__(self, ckpt: Path):
+        self.ckpt, self.copy = ckpt, ckpt.with_name(ckpt.name + "-before")
+        if self.copy.exists():
+            shutil.rmtree(self.copy)
+        shutil.copytree(ckpt, self.copy, symlinks=True)
+
+    def restore(self) -> None:
+        shutil.rmtree(self.ckpt)
+        shutil.copytree(self.copy, self.ckpt, symlinks=True)
+
+    def drop(self) -> None:
+        shutil.rmtree(self.copy, ignore_errors=True)
 
 
 def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedule: Schedule, workdir: Path,
@@ -144,18 +251,48 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
             crashed[-1].resumed_from = started_from
         kill = plan(point, own)
         if kill is None:
+            ops = len(own.rank_view(point.on_rank).crash_points()) if point.on_rank in (own.ranks or {0: 0}) else 0
             what = (f"crash point {point} does not exist in process {i + 1}'s trace "
-                    f"({len(own.crash_points())} targetable filesystem operations"
+                    f"({ops} targetable filesystem operations"
                     + (f", resumed from step {started_from})" if i else ")"))
             raise CrashPointMissing(what) if i else CrashNotLanded(what)
         log = (workdir / f"p{i}-loss.jsonl").resolve()
-        trace_file = workdir / f"p{i}-inject.strace"
         before = frozenset(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*"))
-        result = runner.run_process(adapter, spec, ckpt, log, prefix=strace.inject_argv(trace_file, kill.syscall, kill.nth),
-                                    trace_file=trace_file)
-        landed = recording.build(strace.parse(result.trace_text), spec, result, ckpt, log, preexisting=before)
-        check_landed(kill, own, landed, result)
-        result.killed, result.trace_text = True, ""
+        snapshot = DirectorySnapshot(ckpt) if own.is_job else None
+        planned = kill
+        own_view = own.rank_view(point.on_rank)
+        if own.is_job and point.kind == "fs":
+            kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, 1))
+        for attempt in range(1, DELIVERY_ATTEMPTS + 1):
+            if own.is_job and point.kind == "step":
+                # By path: the rank's nth write to its own loss log, whatever else it writes.
+                view = own.rank_view(point.on_rank)
+                nth = sum(1 for sc in view.step_logs.values() if sc.seq <= view.step_logs[point.index + 1].seq)
+                path = str(rank_log(log, point.on_rank, spec.world_size))
+                argv_for = lambda f: strace.inject_on_path_argv(f, kill.syscall, nth, path)  # noqa: E731
+            else:
+                argv_for = lambda f: strace.inject_argv(f, kill.syscall, kill.nth)  # noqa: E731
+            tracing = Tracing.each(spec, workdir / f"p{i}-inject.strace", argv_for, ranks=[point.on_rank])
+            result = runner.run_process(adapter, spec, ckpt, log, tracing=tracing)
+            landed = recording.from_result(result, spec, ckpt, log, preexisting=before)
+            try:
+                if own.is_job and point.kind == "step":
+                    check_landed_on_log(kill, landed.rank_view(point.on_rank))
+                else:
+                    check_landed(kill, own_view, landed.rank_view(point.on_rank), result)
+                if own.is_job and point.kind == "fs":
+                    SHIFTS.record(own_view, kill.nth - planned.nth)
+                break
+            except CrashNotLanded:
+                if snapshot is None or attempt == DELIVERY_ATTEMPTS:
+                    raise
+                SHIFTS.record(own_view, count_shift(kill, own_view, landed.rank_view(point.on_rank)))
+                snapshot.restore()
+                remove_logs(log, spec.world_size)
+                kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, attempt + 1))
+        if snapshot is not None:
+            snapshot.drop()
+        result.killed = True
         crashed.append(CrashedProcess(kill, result, started_from))
     final_log = (workdir / "final-loss.jsonl").resolve()
     final = runner.run_process(adapter, spec, ckpt, final_log)

@@ -33,10 +33,15 @@ RECORD_SYSCALLS = (
 MAX_DATA_BYTES = 64 * 1024 * 1024   # strace -s for a recording: longer writes cannot be replayed
 PATH_BYTES = 4096                   # strace -s for a trace that needs paths, not data
 
-_LINE_RE = re.compile(r"^(?P<tid>\d+)\s+(?P<call>[a-z0-9_]+)\((?P<args>.*?)"
+# Each line: the thread id, the entry time with -ttt (seconds since the epoch: how the traces of
+# several ranks are merged into one order), then the call.
+_HEAD = r"^(?P<tid>\d+)\s+(?:(?P<ts>\d+\.\d+)\s+)?"
+_LINE_RE = re.compile(_HEAD + r"(?P<call>[a-z0-9_]+)\((?P<args>.*?)"
                       r"(?:\)\s+=\s+(?P<ret>.*)| <unfinished \.\.\.>)$")
-_RESUMED_RE = re.compile(r"^(?P<tid>\d+)\s+<\.\.\. (?P<call>\w+) resumed>(?P<args>.*?)\)\s+=\s+(?P<ret>.*)$")
-_KILLED_RE = re.compile(r"^(?P<tid>\d+)\s+\+\+\+ killed by SIG(?P<sig>[A-Z]+)")
+_RESUMED_RE = re.compile(_HEAD + r"<\.\.\. (?P<call>\w+) resumed>(?P<args>.*?)\)\s+=\s+(?P<ret>.*)$")
+_KILLED_RE = re.compile(_HEAD + r"\+\+\+ killed by SIG(?P<sig>[A-Z]+)")
+# A signal strace injected (si_code=SI_KERNEL), delivered as the injected call returns.
+_INJECTED_SIGNAL_RE = re.compile(_HEAD + r"--- SIG(?P<sig>[A-Z]+) \{[^}]*si_code=SI_KERNEL")
 _FD_RE = re.compile(r"^(?P<fd>-?\d+|AT_FDCWD)<(?P<path>[^>]*)>")
 _STRING_RE = re.compile(r'^"((?:[^"\\]|\\.)*)"(\.\.\.)?')
 _RET_RE = re.compile(r"^(?P<val>-?\d+)(?:<(?P<path>[^>]*)>)?")
@@ -56,6 +61,8 @@ class Syscall:
     nth: int                 # this thread's count of this syscall: what `inject=...:when=N` counts
     args: tuple[str, ...]    # raw argument texts
     ret: str | None          # raw return text; None if the call never returned (killed in it)
+    ts: float = 0.0          # entry time (seconds since the epoch), when traced with -ttt
+    signalled: str = ""      # a signal strace injected at this call ("TERM"), delivered as it returned
 
     @property
     def killed(self) -> bool:
@@ -120,13 +127,16 @@ def parse(text: str) -> list[Syscall]:
     counts: dict[tuple[int, str], int] = {}
     out: list[Syscall] = []
     pending: dict[int, tuple[int, str, str]] = {}   # tid -> (slot in out, call, args so far)
+    last: dict[int, int] = {}                         # tid -> slot of its latest call
     for line in text.splitlines():
         m = _LINE_RE.match(line)
         if m is not None:
             tid, call = int(m.group("tid")), m.group("call")
             counts[(tid, call)] = counts.get((tid, call), 0) + 1
             slot = len(out)
-            out.append(Syscall(slot, tid, call, counts[(tid, call)], split_args(m.group("args")), m.group("ret")))
+            last[tid] = slot
+            out.append(Syscall(slot, tid, call, counts[(tid, call)], split_args(m.group("args")), m.group("ret"),
+                               float(m.group("ts") or 0.0)))
             if m.group("ret") is None:
                 pending[tid] = (slot, call, m.group("args"))
             continue
@@ -138,6 +148,11 @@ def parse(text: str) -> list[Syscall]:
         m = _KILLED_RE.match(line)
         if m is not None:
             pending.pop(int(m.group("tid")), None)   # its unfinished call stays ret=None: killed in it
+            continue
+        m = _INJECTED_SIGNAL_RE.match(line)
+        if m is not None and int(m.group("tid")) in last:
+            slot = last[int(m.group("tid"))]
+            out[slot] = dataclasses.replace(out[slot], signalled=m.group("sig"))
     return out
 
 
@@ -186,7 +201,7 @@ def record_argv(trace_file: Path, *, data: bool) -> list[str]:
     """strace arguments that trace every syscall of RECORD_SYSCALLS: with `data`, every write's
     bytes too (a recording crash states can be rebuilt from); else the paths only."""
     size = MAX_DATA_BYTES if data else PATH_BYTES
-    return ["strace", "-f", "-qq", "-y", *(["-x"] if data else []), "-s", str(size), "-o", str(trace_file),
+    return ["strace", "-f", "-qq", "-y", "-ttt", *(["-x"] if data else []), "-s", str(size), "-o", str(trace_file),
             "-e", "trace=" + ",".join(RECORD_SYSCALLS), "--"]
 
 
@@ -196,6 +211,13 @@ def inject_argv(trace_file: Path, syscall: str, nth: int, *, action: str = "sign
     `action` into this thread's `nth` call of `syscall`."""
     args = record_argv(trace_file, data=data)
     return args[:-1] + ["-e", f"inject={syscall}:{action}:when={nth}", "--"]
+
+
+def inject_on_path_argv(trace_file: Path, syscall: str, nth: int, path: str) -> list[str]:
+    """strace arguments that kill the process at its `nth` call of `syscall` on `path`, counting
+    (and tracing) only the calls on that path (-P), whatever else the thread calls."""
+    return ["strace", "-f", "-qq", "-y", "-ttt", "-s", str(PATH_BYTES), "-o", str(trace_file), "-P", path,
+            "-e", f"trace={syscall}", "-e", f"inject={syscall}:signal=KILL:when={nth}", "--"]
 
 
 @functools.lru_cache(maxsize=1)

@@ -17,11 +17,21 @@ def _middle_save(baseline: RecordedRun) -> int:
     return saves[len(saves) // 2] if saves else 0
 
 
+def per_rank(baseline: RecordedRun, points) -> st.SearchStrategy[CrashPoint]:
+    """`points(run, rank)` for one process; for a job, for each rank's own run, the rank named
+    in every point. The highest rank first (Hypothesis starts from and shrinks towards it): rank 0
+    usually coordinates, and a rank that only follows is where a missing barrier or a rank's own
+    state left out shows."""
+    if not baseline.is_job:
+        return points(baseline, None)
+    return st.one_of(*[points(baseline.rank_view(r), r) for r in sorted(baseline.ranks, reverse=True)])
+
+
 def step_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     last = max(1, baseline.spec.total_steps - 1)
     pivot = _middle_save(baseline) + 1
     ordered = sorted(range(1, last + 1), key=lambda k: (k < pivot, abs(k - pivot)))
-    return st.sampled_from(ordered).map(lambda k: CrashPoint("step", k))
+    return per_rank(baseline, lambda _, r: st.sampled_from(ordered).map(lambda k: CrashPoint("step", k, r)))
 
 
 def after_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
@@ -30,11 +40,13 @@ def after_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     n, total = baseline.spec.save_every, baseline.spec.total_steps
     saves = list(range(n, total, n))
     others = [k for k in range(total - 1, 0, -1) if k not in saves]
-    return st.sampled_from(saves[::-1] + others or [1]).map(lambda k: CrashPoint("step", k))
+    return per_rank(baseline, lambda _, r: st.sampled_from(saves[::-1] + others or [1]).map(
+        lambda k: CrashPoint("step", k, r)))
 
 
-def _ordered_fs(baseline: RecordedRun, only_inside: bool) -> list[int]:
-    """Ordinals of `fs:i` crash points (into the targetable mutations), most telling first."""
+def _ordered_fs(baseline: RecordedRun, only_inside: bool, from_end: bool = False) -> list[int]:
+    """Ordinals of `fs:i` crash points (into the targetable mutations), most telling first; with
+    `from_end`, each save's writes from its last one backwards, then its other operations."""
     targetable = baseline.crash_points()
     owner = {k: baseline.ops[baseline.mutations[k]].after_step for k in targetable}
     pivot = _middle_save(baseline)
@@ -46,28 +58,46 @@ def _ordered_fs(baseline: RecordedRun, only_inside: bool) -> list[int]:
     # earlier ones.
     in_pivot = [n for n in ordinals if owner[targetable[n]] == pivot]
     centre = (in_pivot[0] + in_pivot[-1]) / 2 if in_pivot else 0
+    if from_end:
+        # A save's data writes from the last one backwards, then its other operations: the last
+        # writes are where a rank's part is still incomplete while the others may be done.
+        writes = {n for n in ordinals if baseline.ops[baseline.mutations[targetable[n]]].kind == "write"}
+        return sorted(ordinals, key=lambda n: (owner[targetable[n]] != pivot, owner[targetable[n]] < pivot,
+                                               owner[targetable[n]], n not in writes, -n))
     return sorted(ordinals, key=lambda n: (owner[targetable[n]] != pivot, owner[targetable[n]] < pivot,
                                            abs(n - centre) if n in in_pivot else n))
 
 
 def fs_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
-    return st.sampled_from(_ordered_fs(baseline, False) or [0]).map(lambda i: CrashPoint("fs", i))
+    return per_rank(baseline, lambda run, r: st.sampled_from(_ordered_fs(run, False) or [0]).map(
+        lambda i: CrashPoint("fs", i, r)))
 
 
 def in_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     """fs points that fall inside a save (after some step was logged), where torn state lives."""
-    return st.sampled_from(_ordered_fs(baseline, True) or [0]).map(lambda k: CrashPoint("fs", k))
+    return per_rank(baseline, lambda run, r: st.sampled_from(_ordered_fs(run, True) or [0]).map(
+        lambda k: CrashPoint("fs", k, r)))
 
 
-def later_points() -> st.SearchStrategy[CrashPoint]:
-    """Points for a resumed process, whose trace is not known in advance: fs indices wrap."""
-    return st.one_of(st.integers(0, 40).map(lambda i: CrashPoint("fs", i)),
-                     st.integers(1, 11).map(lambda k: CrashPoint("step", k)))
+def save_end_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
+    """In-save points of every rank, each save from its end backwards: where a rank that follows
+    finishes its part after (or without) the commit, and a missing barrier or a per-rank commit
+    shows."""
+    return per_rank(baseline, lambda run, r: st.sampled_from(_ordered_fs(run, True, from_end=True) or [0]).map(
+        lambda k: CrashPoint("fs", k, r)))
+
+
+def later_points(ranks: list[int | None] | None = None) -> st.SearchStrategy[CrashPoint]:
+    """Points for a resumed process, whose trace is not known in advance: fs indices wrap. For a
+    job, on any of `ranks`."""
+    rank = st.sampled_from(ranks or [None])
+    return st.one_of(st.tuples(st.integers(0, 40), rank).map(lambda ir: CrashPoint("fs", *ir)),
+                     st.tuples(st.integers(1, 11), rank).map(lambda kr: CrashPoint("step", *kr)))
 
 
 def schedules(baseline: RecordedRun, *, max_crashes: int = 2) -> st.SearchStrategy[Schedule]:
     first = st.one_of(step_points(baseline), fs_points(baseline))
-    rest = st.lists(later_points(), max_size=max_crashes - 1)
+    rest = st.lists(later_points(sorted(baseline.ranks) if baseline.is_job else None), max_size=max_crashes - 1)
     return st.tuples(first, rest).map(lambda fr: (fr[0], *fr[1]))
 
 
@@ -76,12 +106,15 @@ def error_points(baseline: RecordedRun, error: str) -> st.SearchStrategy[CrashPo
     first: the middle save, and in it the calls this error most often hits (a full disk fails
     writes; network storage reports EIO at fsync)."""
     from .faults import error_points as injectable
-    allowed = set(injectable(baseline))
     first = ("write", "pwrite64", "writev") if error == "enospc" else ("fsync", "fdatasync")
-    kind = {n: baseline.ops[baseline.mutations[baseline.crash_points()[n]]].syscall for n in allowed}
-    ordered = [n for n in _ordered_fs(baseline, True) if n in allowed]
-    ordered.sort(key=lambda n: kind[n] not in first)   # stable: the middle save stays first within each group
-    return st.sampled_from(ordered or [0]).map(lambda n: CrashPoint("fs", n))
+
+    def points(run: RecordedRun, rank: int | None) -> st.SearchStrategy[CrashPoint]:
+        allowed = set(injectable(run))
+        kind = {n: run.ops[run.mutations[run.crash_points()[n]]].syscall for n in allowed}
+        ordered = [n for n in _ordered_fs(run, True) if n in allowed]
+        ordered.sort(key=lambda n: kind[n] not in first)   # stable: the middle save stays first in each group
+        return st.sampled_from(ordered or [0]).map(lambda n: CrashPoint("fs", n, rank))
+    return per_rank(baseline, points)
 
 
 def term_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:

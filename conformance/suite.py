@@ -24,7 +24,7 @@ from .process import RunSpec
 from .scenario import CrashNotLanded, CrashPointMissing
 from .settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK, TOTAL_STEPS
 
-ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd")
+ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd", "world_size")
 
 
 def _profile_seed(test):
@@ -39,13 +39,14 @@ class ResumeConformance:
 
     adapter: ClassVar[object | None] = None
     trainer_cmd: ClassVar[str | None] = None
+    world_size: ClassVar[int | None] = None   # ranks under torchrun (default: the adapter's, or 1)
     configured_by_options: ClassVar[bool] = False
 
     @pytest.fixture
     def session(self, conformance_session_for) -> Session:
         if self.configured_by_options and self.adapter is None and self.trainer_cmd is None:
-            return conformance_session_for(None, None)
-        return conformance_session_for(self.adapter, self.trainer_cmd)
+            return conformance_session_for(None, None, self.world_size)
+        return conformance_session_for(self.adapter, self.trainer_cmd, self.world_size)
 
     @classmethod
     def conformance_problem(cls) -> str | None:
@@ -69,13 +70,13 @@ class ResumeConformance:
         return None
 
 
-def _spec(save_every: int = CADENCES[0]) -> RunSpec:
-    return RunSpec(TOTAL_STEPS, save_every, SEED)
+def _spec(session: Session, save_every: int = CADENCES[0]) -> RunSpec:
+    return RunSpec(TOTAL_STEPS, save_every, SEED, session.adapter.world_size)
 
 
 def _make_test(check: Check):
     def run(request, session: Session, param: str | None, data=None) -> None:
-        spec = _spec(data.draw(st.sampled_from(CADENCES), label="save_every") if check.draw else CADENCES[0])
+        spec = _spec(session, data.draw(st.sampled_from(CADENCES), label="save_every") if check.draw else CADENCES[0])
         reason = skip_reason(check, session, spec)
         if reason:
             pytest.skip(reason)

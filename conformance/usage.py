@@ -48,8 +48,29 @@ def describe_setup(adapter: TrainerAdapter, runner_option: str | None) -> str:
     if not adapter.has("syscall_crash"):
         problem = "the adapter lacks capability 'syscall_crash'"
     crash = "on" if problem is None else f"off: {problem}"
-    return (f"conformance: trainer {adapter.name} ({adapter.spec}), profile {settings.get_current_profile_name()}, "
-            f"runner {runner} ({why}), strace {version or '-'} (syscall crash points {crash})")
+    ranks = f", {adapter.world_size} ranks under torchrun" if adapter.world_size > 1 else ""
+    return (f"conformance: trainer {adapter.name} ({adapter.spec}){ranks}, profile "
+            f"{settings.get_current_profile_name()}, runner {runner} ({why}), strace {version or '-'} "
+            f"(syscall crash points {crash})")
+
+
+def multirank_problems(adapter: TrainerAdapter, port: int | None) -> tuple[str | None, str | None]:
+    """(usage error, warning) for a multi-rank trainer: torchrun missing or the fixed rendezvous
+    port taken is an error; more ranks than cores only a warning (gloo ranks can share cores)."""
+    from .launch import LaunchError, check_port, torchrun_program
+    if adapter.world_size <= 1:
+        return None, None
+    try:
+        torchrun_program()
+        if port is not None:
+            check_port(port)
+    except LaunchError as exc:
+        return str(exc), None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if adapter.world_size > cores:
+        return None, (f"world size {adapter.world_size} is larger than the {cores} CPU core(s) here: the ranks share "
+                      "cores (gloo allows it), so every run is slower and time limits may need --process-timeout")
+    return None, None
 
 
 def unknown_ini_keys(config, known: set[str]) -> str | None:

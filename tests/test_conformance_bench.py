@@ -12,15 +12,19 @@ from conformance import bench
 from conformance.readme import MarkerMissing, replace_section
 
 
-def _result(trial=0.08, states=1200.0, ci=60.0, power=1500.0):
+def _result(trial=0.08, states=1200.0, ci=60.0, power=1500.0, ranks=2.5, ranks_ci=None):
     return {"trial_vs_import": trial, "integrity_states_per_min": states, "ci_profile_seconds": ci,
             "power_loss_states_per_min": power, "script_trial_vs_import": trial,
-            "targets_met": {"trial_vs_import": bench._met("trial_vs_import", trial),
+            "multirank_trial_vs_single": ranks, "multirank_ci_profile_seconds": ranks_ci,
+            "targets_met": {"multirank_trial_vs_single": bench._met("multirank_trial_vs_single", ranks),
+                            "multirank_ci_profile_seconds": bench._met("multirank_ci_profile_seconds", ranks_ci),
+                            "trial_vs_import": bench._met("trial_vs_import", trial),
                             "script_trial_vs_import": bench._met("script_trial_vs_import", trial),
                             "integrity_states_per_min": bench._met("integrity_states_per_min", states),
                             "power_loss_states_per_min": bench._met("power_loss_states_per_min", power),
                             "ci_profile_seconds": bench._met("ci_profile_seconds", ci)},
-            "details": {"bare_import_torch_s": 2.0, "warm_trial_s": 0.16, "script_trial_s": 0.16, "fresh_trial_s": 8.0,
+            "details": {"multirank_trial_s": 0.4, "multirank_trial_schedule": "fs:3@r1", "multirank_ci": None,
+                        "bare_import_torch_s": 2.0, "warm_trial_s": 0.16, "script_trial_s": 0.16, "fresh_trial_s": 8.0,
                         "fresh_vs_warm": 50.0,
                         "crash_states": 121, "crash_states_seconds": 6.0, "state_workers": 2,
                         "power_loss_states": 188, "power_loss_seconds": 7.5,
@@ -38,6 +42,8 @@ def test_targets_and_markdown_table():
     assert "| `trial_vs_import` | 0.080 | <= 0.1 | yes |" in md
     assert "| `integrity_states_per_min` | 900 | >= 1000 | no |" in md
     assert "| `power_loss_states_per_min` | 1500 | >= 1000 | yes |" in md
+    assert "| `multirank_trial_vs_single` | 2.50 | <= 3.0 | yes |" in md
+    assert "| `multirank_ci_profile_seconds` | not run | <= 300 | - |" in md
     assert "every fs op of a save covered: yes (121 states / 105 recorded ops)" in md
 
 

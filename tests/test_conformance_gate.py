@@ -29,14 +29,23 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
         pytest.importorskip("safetensors", reason="the commit-marker trainer needs the 'safetensors' extra")
     if adapter.startswith("fixtures.careful_loop"):
         pytest.importorskip("torchdata", reason="the careful loop needs the 'torchdata' extra")
-    verdicts, out = run_suite(f"--adapter={adapter}", "--hypothesis-profile=ci")
+    # A multi-rank trainer runs under `quick` here: a job's kill can still miss its operation now
+    # and then (gloo's timing-dependent writes shift strace's counts; docs/running.md, "Delivery"),
+    # and `ci` draws ~80 kills. Its `ci` verdicts are measured by soak runs instead.
+    profile = "quick" if load_object(adapter).world_size > 1 else "ci"
+    verdicts, out = run_suite(f"--adapter={adapter}", f"--hypothesis-profile={profile}")
     assert verdicts, out[-3000:]
     bad = {name: v for name, v in verdicts.items() if v[0] in ("failed", "error")}
     assert not bad, "\n\n".join(f"{n}: {m[:2000]}" for n, (_, m) in bad.items())
     skipped = {name: v[1] for name, v in verdicts.items() if v[0] == "skipped"}
     # The only skip allowed: no legacy samples declared (the temp-name trainers have no old format).
-    if not load_object(adapter).legacy_samples:
+    loaded = load_object(adapter)
+    if not loaded.legacy_samples:
         assert "adapter lacks capability 'legacy_samples'" in skipped.pop("test_schema_migration", "")
+    if loaded.world_size < 2:   # the multi-rank checks skip, naming why
+        for check in ("rank_resume", "all_or_nothing", "reshard"):
+            for test in [t for t in skipped if t == f"test_{check}" or t.startswith(f"test_{check}[")]:
+                assert "needs a multi-rank trainer" in skipped.pop(test)
     assert not skipped, skipped
     assert set(verdicts) == {f"test_{i}" for i in all_check_ids()}
 

@@ -13,9 +13,9 @@ from conformance.checks.registry import TABLE_MARKER, markdown_table
 REPO = Path(__file__).resolve().parents[1]
 # conformance's modules, lowest layer first: a module imports only from its own layer or below.
 LAYERS = [
-    {"crash", "process", "strace", "settings", "evidence", "readme", "adapters", "corrupt", "child"},
-    {"recording", "alignment", "failures", "plots"},
-    {"runners", "forkserver"},
+    {"crash", "process", "strace", "settings", "evidence", "readme", "adapters", "corrupt", "child", "launch"},
+    {"recording", "alignment", "failures", "plots", "watchdog"},
+    {"runners", "forkserver", "rank"},
     {"scenario", "crash_states", "powerloss", "faults", "strategies"},
     {"checks"},
     {"expected", "report", "suite", "plugin", "__main__", "bench", "test_conformance", "__init__", "usage", "init",

@@ -17,8 +17,15 @@ def _report(**outcomes: str) -> report.Report:
     return report.environment(None, "ci", [c for c in cases if c.outcome != "absent"])
 
 
-def test_every_level_up_to_l3_met_and_l4_not_tested_without_multirank_checks():
+def test_every_level_met_when_every_check_passed():
     levels = _report().levels()
+    assert [(s.level, s.status) for s in levels] == [("L1", "met"), ("L2", "met"), ("L3", "met"), ("L4", "met")]
+    assert highest(levels).level == "L4"
+
+
+def test_a_single_process_trainer_reaches_l3_and_l4_is_not_tested():
+    skipped = {i: "skipped" for i in all_check_ids() if i.startswith(("rank_resume", "all_or_nothing", "reshard"))}
+    levels = _report(**skipped).levels()
     assert [(s.level, s.status) for s in levels] == [("L1", "met"), ("L2", "met"), ("L3", "met"), ("L4", "not tested")]
     assert highest(levels).level == "L3"
 

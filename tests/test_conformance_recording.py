@@ -142,3 +142,28 @@ def test_real_strace_injection_kills_at_the_planned_rename(tmp_path):
     run = recording.build(strace.parse(out.read_text()), RunSpec(1, 1, 0), ProcessResult(-9, {}, ""), root,
                           tmp_path / "log")
     assert (run.killed_op().path, run.killed_op().target) == ("t1", "f1")
+
+
+def test_in_a_job_a_mkdir_that_found_the_directory_is_the_ranks_operation_with_no_effect():
+    """Every rank of a DCP job creates `step-N/`; which one gets EEXIST is a race, so each rank's
+    call is its operation (its crash points stay the same run to run) and changes nothing."""
+    result = ProcessResult(0, {1: 0.5}, "")
+    own = recording.build(strace.parse(TRACE), RunSpec(3, 1, 0, 2), result, ROOT, LOG, rank=1)
+    mkdirs = [op for op in own.ops if op.kind == "mkdir"]
+    assert [(op.path, op.effect) for op in mkdirs] == [("step-2", True), ("step-3", False)]
+    single = _run(TRACE)
+    assert [op.path for op in single.ops if op.kind == "mkdir"] == ["step-2"]
+
+
+def test_an_injected_signal_marks_the_call_it_was_delivered_at():
+    """A SIGTERM strace injected (si_code=SI_KERNEL) is delivered as the call returns: that call is
+    where the fault landed, and a loss-log write that carried it still logged its step."""
+    text = ('100  write(7</other/loss.jsonl>, "{\\"step\\": 1, \\"loss\\": 0.5}\\n", 27) = 27\n'
+            '100  --- SIGTERM {si_signo=SIGTERM, si_code=SI_KERNEL} ---\n'
+            '100  mkdir("/ck/step-1", 0777) = 0\n'
+            '100  --- SIGTERM {si_signo=SIGTERM, si_code=SI_USER, si_pid=1, si_uid=0} ---\n')
+    calls = strace.parse(text)
+    assert [c.signalled for c in calls] == ["TERM", ""]
+    run = _run(text)
+    hit = run.signalled_op()
+    assert hit is not None and hit.kind == "log" and hit.after_step == 0 and 1 in run.step_logs

@@ -1,5 +1,5 @@
 """The suite judged against trainers built on real libraries (PyTorch Lightning, Hugging Face
-Accelerate), each used the way its documentation shows.
+Accelerate and Transformers, PyTorch's DCP on 2 ranks), each used the way its documentation shows.
 
 The verdicts are findings about those libraries, recorded as `EXPECTED` in each trainer module and
 explained in the README ("Real trainers"); asserting them keeps that write-up executable evidence.
@@ -17,7 +17,9 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.needs_strace]
 
 TRAINERS = {"lightning": "fixtures.real.lightning_trainer", "accelerate": "fixtures.real.accelerate_trainer",
-            "transformers": "fixtures.real.hf_trainer"}
+            "transformers": "fixtures.real.hf_trainer", "dcp": "fixtures.real.dcp_trainer"}
+# What each library is imported as (DCP comes with torch).
+IMPORTS = {"dcp": "torch.distributed.checkpoint"}
 # transformers 4.x next to the installed 5.x: a venv with system site packages (same torch), made by
 # .ci/run; the suite forks its trainer processes from that interpreter, warm.
 HF4_PYTHON = Path(os.environ.get("CONFORMANCE_HF4_PYTHON", Path(__file__).resolve().parents[1] / ".venv-hf4" / "bin" / "python"))
@@ -25,7 +27,8 @@ HF4_PYTHON = Path(os.environ.get("CONFORMANCE_HF4_PYTHON", Path(__file__).resolv
 
 @pytest.mark.parametrize("library", sorted(TRAINERS))
 def test_suite_verdicts_match_the_recorded_findings(run_suite, library):
-    pytest.importorskip(library, reason=f"{library} is not installed (pip install resume-conformance[{library}])")
+    pytest.importorskip(IMPORTS.get(library, library),
+                        reason=f"{library} is not installed (pip install resume-conformance[{library}])")
     trainer = importlib.import_module(TRAINERS[library])
     if not trainer.EXPECTED:
         pytest.skip(f"no recorded findings for this version of {library}")

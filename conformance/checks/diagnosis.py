@@ -55,8 +55,8 @@ def _run_stop_and_resume(session: Session, spec: RunSpec, k: int, seed: int, sam
     d = session.case_dir(f"diagnose-{k}-{seed}")
     ckpt = (d / "ckpt").resolve()
     ckpt.mkdir()
-    first = RunSpec(k, 1, spec.seed)
-    second = RunSpec(spec.total_steps, 1, seed)
+    first = spec.but(total_steps=k, save_every=1)
+    second = spec.but(save_every=1, seed=seed)
     if same_process:
         run_twice = getattr(session.runner, "run_twice", None)
         if run_twice is None:
@@ -77,7 +77,7 @@ def _reference(session: Session, spec: RunSpec) -> dict[int, float] | None:
     def compute():
         d = session.case_dir("diagnose-ref")
         (d / "ckpt").mkdir()
-        run = session.runner.run_process(session.adapter, RunSpec(spec.total_steps, 1, spec.seed),
+        run = session.runner.run_process(session.adapter, spec.but(save_every=1),
                                          (d / "ckpt").resolve(), (d / "loss.jsonl").resolve())
         return run.losses if run.returncode == 0 else None
     return session._cached(("diagnose-ref", spec), compute)

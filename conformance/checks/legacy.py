@@ -19,7 +19,7 @@ def schema_migration(session: Session, check: str, spec: RunSpec, _param=None, o
         raise ValueError(f"the adapter has no legacy sample named {only!r}; it has: "
                          f"{', '.join(s.name for s in session.adapter.legacy_samples) or 'none'}")
     for sample in samples:
-        _one_sample(session, check, RunSpec(spec.total_steps, spec.save_every, sample.seed), sample)
+        _one_sample(session, check, spec.but(seed=sample.seed), sample)
 
 
 def _one_sample(session: Session, check: str, spec: RunSpec, sample) -> None:

@@ -18,7 +18,7 @@ from ..crash import CrashPoint, Schedule, format_schedule, parse_schedule
 from ..failures import ConformanceFailure, stderr_tail
 from ..process import RunSpec
 from ..runners import ProcessOverran
-from . import damage, determinism, legacy, power, preemption, schedules, states, storage, untrusted
+from . import damage, determinism, legacy, power, preemption, ranks, schedules, states, storage, untrusted
 from .session import Session
 
 
@@ -53,7 +53,10 @@ class Check:
         try:
             return self.run(session, check_id, spec, param, case)
         except ProcessOverran as exc:
-            raise session.fail(check_id, spec, f"a trainer process {exc.problem}; it was killed",
+            split = exc.result.ranks_disagree()
+            why = f" (its ranks had resumed from different steps: {split}, so their collectives never matched)" \
+                if split else ""
+            raise session.fail(check_id, spec, f"a trainer process {exc.problem}; it was killed{why}",
                                details="  stderr:\n" + stderr_tail(exc.result.stderr),
                                case=({self.case.name: case_text(self, case)} if self.case and case is not None
                                      else None)) from None
@@ -118,6 +121,23 @@ CHECKS: tuple[Check, ...] = (
           "the grace period and the next start loses no step",
           "conformance/checks/preemption.py", preemption.preemption, needs=("trace",), precondition="operations",
           draw=lambda b, _: strategies.term_points(b), case=_POINT),
+    Check("rank_resume",
+          "one rank of a multi-rank job killed at a step boundary: every rank resumes from the same step and "
+          "every rank's loss matches that rank's own uninterrupted curve (a rank whose RNG or data position "
+          "was not restored is named even when rank 0 is fine)",
+          "conformance/checks/ranks.py", ranks.rank_resume, needs=("trace", "multirank"), precondition="operations",
+          draw=lambda b, _: strategies.step_points(b), case=_POINT),
+    Check("all_or_nothing",
+          "one rank of a multi-rank job killed inside a save, at any operation of any rank: the next start "
+          "uses only a checkpoint every rank finished (never a mix of two steps' shards), every rank from the "
+          "same one, and every rank's loss matches its own uninterrupted curve",
+          "conformance/checks/ranks.py", ranks.all_or_nothing, needs=("trace", "multirank"),
+          precondition="operations", draw=lambda b, _: strategies.save_end_points(b), case=_POINT),
+    Check("reshard",
+          "save with W ranks and resume with 1 (`shrink`), save with 1 and resume with W (`grow`): the job "
+          "resumes at the saved step and the global loss (the mean of the ranks') matches the W-rank run",
+          "conformance/checks/ranks.py", ranks.reshard, params=("shrink", "grow"),
+          needs=("trace", "multirank", "reshard")),
     Check("corruption_detected",
           "the largest file of the newest checkpoint that a resume reads is truncated, bit-flipped (top "
           "exponent bit of every float tensor's first element) or deleted: the trainer falls back to an "
@@ -157,6 +177,9 @@ def skip_reason(check: Check, session: Session, spec: RunSpec) -> str | None:
             problem = session.trace_problem()
             if problem:
                 return problem
+        elif need == "multirank":
+            if session.adapter.world_size < 2:
+                return "needs a multi-rank trainer (world size >= 2: --world-size or the adapter's world_size)"
         elif not session.adapter.has(need):
             return f"adapter lacks capability '{need}'"
     if check.id != "determinism_precondition":
@@ -186,7 +209,7 @@ def markdown_table() -> str:
     rows = ["| check id | what it asserts | needs | decided in |", "|---|---|---|---|"]
     for c in CHECKS:
         ids = f"`{c.id}[{'|'.join(c.params)}]`".replace("|", "\\|") if c.params else f"`{c.id}`"
-        needs = [{"trace": "strace"}.get(n, f"capability `{n}`") for n in c.needs]
+        needs = [{"trace": "strace", "multirank": "world size >= 2"}.get(n, f"capability `{n}`") for n in c.needs]
         if c.precondition != "none":
             needs.append("deterministic " + ("losses and operations" if c.precondition == "operations" else "losses"))
         rows.append(f"| {ids} | {c.summary} | {', '.join(needs) or '-'} | `{c.decided_in}` |")

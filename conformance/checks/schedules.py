@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .. import evidence
 from ..crash import Schedule, format_schedule
-from ..failures import format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
+from ..failures import describe_ranks, format_mismatches, loss_mismatches, max_abs_diff, rank_mismatches, stderr_tail
 from ..process import RunSpec
 from ..scenario import TrialOutcome, run_schedule
 from .common import plot_mismatch
@@ -87,6 +87,12 @@ def resume_matches_baseline(session: Session, check: str, spec: RunSpec, _param,
                         describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)
                         + "\n" + _likely_cause(session, spec, outcome.crashed[i].resumed_from, losses)
                         + "\n" + _plot_trial(session, check, outcome))
+    bad = rank_mismatches(base.result, outcome.final, session.tol)
+    if bad:   # the global curve can hide a rank; each rank is compared with its own
+        raise _fail(session, check, outcome,
+                    f"rank(s) {', '.join(str(r) for r, _ in bad)} left their own uninterrupted curve after "
+                    f"resuming from step {outcome.final_resumed_from}",
+                    describe_crashes(outcome) + "\n" + describe_ranks(bad, outcome.spec.world_size))
     last = max([s for _, l in outcome.all_losses() for s in l] + [outcome.final_resumed_from])
     if last < spec.total_steps:
         raise _fail(session, check, outcome, f"the resumed run stopped at step {last}, not {spec.total_steps}",
@@ -111,7 +117,7 @@ def no_lost_work(session: Session, check: str, spec: RunSpec, _where, schedule: 
             what = "from scratch" if r == 0 else f"from step {r}"
             raise _fail(session, check, outcome, f"after crash {i + 1} the trainer resumed {what}, but the "
                         f"checkpoint of step {newest} was committed before the kill", describe_crashes(outcome))
-        upper = max(c.kill.in_progress or newest, newest)
+        upper = max(c.kill.allowed_resumes())   # in a job, also a save the other ranks committed after the kill
         if r > upper:
             raise _fail(session, check, outcome, f"after crash {i + 1} the trainer resumed from step {r}, later "
                         f"than any checkpoint that could have been written before the kill (step {upper})",
@@ -132,7 +138,7 @@ def no_torn_state(session: Session, check: str, spec: RunSpec, _param, schedule:
                         f"after a kill inside the save of step {c.kill.in_progress} the trainer could not "
                         f"resume (exit {nxt.returncode}): it found a torn checkpoint",
                         describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(nxt.stderr))
-        if r not in (c.kill.newest_committed, c.kill.in_progress):
+        if r not in c.kill.allowed_resumes():
             continue  # lost work, judged by no_lost_work
         rows = loss_mismatches(base.losses, nxt.losses, session.tol)
         if rows and r > 0 and session.same_as_plain_resume(spec, r, nxt.losses):

@@ -116,6 +116,8 @@ class Session:
                             details="  stderr:\n" + stderr_tail(exc.result.stderr)) from None
         if tag == "baseline":
             self.runner.limits = self.limits_after(run)
+        if spec.world_size > 1:
+            self._check_rank_logs(spec, run, tag)
         if run.result.returncode != 0:
             raise self.fail("determinism_precondition", spec, f"an uninterrupted run exited {run.result.returncode}",
                             details="  stderr:\n" + stderr_tail(run.result.stderr))
@@ -125,6 +127,21 @@ class Session:
                             f"an uninterrupted run logged no loss for steps {missing[:5]} "
                             "(CONFORMANCE_LOSS_LOG must get one line per step)")
         return run
+
+    def _check_rank_logs(self, spec: RunSpec, run: RecordedRun, tag: str) -> None:
+        """A multi-rank trainer logs one curve per rank; one that ignores WORLD_SIZE writes one log."""
+        log = run.ckpt_dir.parent / f"{tag}-loss.jsonl"   # where traced_run put the plain log
+        silent = [r for r, losses in enumerate(run.result.rank_losses) if not losses]
+        if not silent:
+            return
+        single = log.exists() and log.stat().st_size > 0
+        how = (f"it wrote one loss log ({log.name}) instead: the trainer ignores WORLD_SIZE" if single else
+               "those ranks logged nothing")
+        raise self.fail("determinism_precondition", spec,
+                        f"a {spec.world_size}-rank run left no loss log for rank(s) {silent}: {how}",
+                        details="  with WORLD_SIZE > 1 rank r appends its local loss to $CONFORMANCE_LOSS_LOG.rank{r} "
+                                "(one JSON line per step), so each rank's curve can be compared with its own "
+                                "baseline\n  stderr:\n" + stderr_tail(run.result.stderr))
 
     def determinism(self, spec: RunSpec) -> Determinism:
         return self._cached(("determinism", spec), lambda: self._determinism(spec))
@@ -136,7 +153,7 @@ class Session:
         losses = None
         if rows or set(again.losses) != set(base.losses):
             losses = "not deterministic without interruption: two uninterrupted runs differ\n" + format_mismatches(rows)
-        lined_up = alignment.align(base, again)
+        lined_up = alignment.align_job(base, again)
         operations = None
         if lined_up.divergence is not None and self.trace_problem() is None:
             operations = ("the filesystem operations of two uninterrupted runs differ, so a crash point "
@@ -158,7 +175,7 @@ class Session:
             if stop < 2 * spec.save_every:
                 raise ValueError(f"total_steps={spec.total_steps} leaves no room for two saves "
                                  f"before the end with save_every={spec.save_every}")
-            short = RunSpec(stop, spec.save_every, spec.seed)
+            short = spec.but(total_steps=stop)
             return traced_run(self.runner, self.adapter, short, self.case_dir("prefix"), tag="prefix"), stop
         return self._cached(("prefix", spec), compute)
 
@@ -167,7 +184,7 @@ class Session:
         opens: damage goes to files a resume reads, not to a copy the trainer never reads."""
         def compute():
             prefix, stop = self.prefix(spec)
-            return traced_run(self.runner, self.adapter, RunSpec(stop + 1, spec.save_every, spec.seed),
+            return traced_run(self.runner, self.adapter, spec.but(total_steps=stop + 1),
                               self.case_dir("reads"), tag="resume", prepare=prefix.ckpt_dir).reads
         return self._cached(("reads", spec), compute)
 

@@ -1,0 +1,125 @@
+"""Checks only a multi-rank trainer has: every rank resumes at the same step on its own curve
+(rank_resume), a checkpoint is used only if every rank finished it (all_or_nothing), and a
+checkpoint saved by one world size resumes on another (reshard).
+
+Every rank's curve is compared with the same rank's curve in the uninterrupted job, so a rank
+whose RNG or data position was not restored is named even when rank 0 is fine.
+"""
+from __future__ import annotations
+
+from .. import evidence, strace
+from ..crash import CrashPoint
+from ..failures import describe_ranks, format_mismatches, loss_mismatches, max_abs_diff, rank_mismatches, stderr_tail
+from ..process import RunSpec, rank_log
+from ..runners import Tracing
+from .schedules import _fail, describe_crashes, trial
+from .session import Session
+
+
+def rank_resume(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
+    """One rank killed at a step boundary: every rank resumes from the same step and every rank's
+    curve matches its own curve in the uninterrupted job."""
+    outcome = trial(session, check, spec, (point,))
+    final = outcome.final
+    if final.returncode != 0:
+        raise _fail(session, check, outcome, f"after rank {point.on_rank} was killed the next job exited "
+                    f"{final.returncode}", describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(final.stderr))
+    split = final.ranks_disagree()
+    if split:
+        raise _fail(session, check, outcome, f"the ranks resumed from different steps: {split}",
+                    describe_crashes(outcome))
+    bad = rank_mismatches(session.baseline(spec).result, final, session.tol)
+    if bad:
+        raise _fail(session, check, outcome,
+                    f"after resuming from step {outcome.final_resumed_from}, rank(s) "
+                    f"{', '.join(str(r) for r, _ in bad)} left their own uninterrupted curve (a rank's RNG or "
+                    "data position not saved or not restored looks like this)",
+                    describe_crashes(outcome) + "\n" + describe_ranks(bad, spec.world_size))
+
+
+def all_or_nothing(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
+    """One rank killed inside a save: the next start uses only a checkpoint every rank finished,
+    every rank from the same one, and every rank's curve matches."""
+    outcome = trial(session, check, spec, (point,))
+    crash, final = outcome.crashed[0], outcome.final
+    split = final.ranks_disagree()
+    if split:
+        raise _fail(session, check, outcome, f"the ranks resumed from different checkpoints: {split}",
+                    describe_crashes(outcome))
+    r = crash.resumed_from
+    if r < 0:
+        complete = (f"the checkpoint of step {crash.kill.newest_committed} was complete on every rank"
+                    if crash.kill.newest_committed else "no checkpoint was complete, so it should have started fresh")
+        raise _fail(session, check, outcome,
+                    f"after rank {point.on_rank} was killed inside the save of step {crash.kill.in_progress}, the "
+                    f"next job could not start (exit {final.returncode}); {complete}",
+                    describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(final.stderr))
+    allowed = crash.kill.allowed_resumes()
+    if r > 0 and r not in allowed and r > crash.kill.newest_committed:
+        raise _fail(session, check, outcome,
+                    f"the next job resumed from step {r}, a checkpoint not every rank had finished before rank "
+                    f"{point.on_rank} was killed (complete then: step {crash.kill.newest_committed})",
+                    describe_crashes(outcome))
+    bad = rank_mismatches(session.baseline(spec).result, final, session.tol)
+    if bad and r > 0 and session.same_as_plain_resume(spec, r, final.losses):
+        evidence.record(evidence.Note(f"the curve after resuming from step {r} diverges exactly as a plain resume "
+                                      "from that checkpoint does: a resume problem, not a mixed checkpoint"))
+        return
+    if bad:
+        raise _fail(session, check, outcome,
+                    f"after rank {point.on_rank} was killed inside the save of step {crash.kill.in_progress}, the "
+                    f"job resumed from step {r} and rank(s) {', '.join(str(k) for k, _ in bad)} left their curve: "
+                    "it loaded state not every rank had committed (a mix of two steps' shards looks like this)",
+                    describe_crashes(outcome) + "\n" + describe_ranks(bad, spec.world_size))
+
+
+def _middle_save(spec: RunSpec) -> int:
+    saves = list(range(spec.save_every, spec.total_steps, spec.save_every))
+    return saves[len(saves) // 2] if saves else 0
+
+
+def reshard(session: Session, check: str, spec: RunSpec, direction: str, _case) -> None:
+    """Save with one world size and resume with another (`shrink`: W ranks, then 1; `grow`: 1,
+    then W): the job resumes at the saved step and the global loss stays on the baseline."""
+    base = session.baseline(spec)
+    saved_w, resumed_w = (spec.world_size, 1) if direction == "shrink" else (1, spec.world_size)
+    step = _middle_save(spec)
+    if not step:
+        return
+    workdir = session.case_dir("reshard")
+    ckpt = workdir / "ckpt"
+    ckpt.mkdir()
+    first_spec = spec.but(world_size=saved_w, torchrun=True)
+    # Rank 0 killed as it logs step+2 (by strace, exactly): the save of `step` had completed on
+    # every rank once step+1 was logged.
+    log = workdir / "first-loss.jsonl"
+    tracing = Tracing.each(first_spec, workdir / "first.strace", lambda f: strace.inject_on_path_argv(
+        f, "write", step + 2, str(rank_log(log, 0, saved_w))), ranks=[0])
+    first = session.runner.run_process(session.adapter, first_spec, ckpt, log, tracing=tracing)
+    first.traces = {}
+    how = f"saved by {saved_w} rank(s) at step {step}, resumed by {resumed_w}"
+    rows = loss_mismatches(base.losses, first.losses, session.tol)
+    if rows or max(first.losses, default=0) <= step:
+        raise session.fail(check, spec, f"with {saved_w} rank(s) the global loss is not the {spec.world_size}-rank "
+                           "run's (does the trainer keep the global batch fixed across world sizes?)"
+                           if rows else f"the {saved_w}-rank job did not reach step {step + 1} (exit "
+                           f"{first.returncode})",
+                           details=("  first differing steps:\n" + format_mismatches(rows)) if rows else
+                           "  stderr:\n" + stderr_tail(first.stderr))
+    second_spec = spec.but(world_size=resumed_w, torchrun=True)
+    second = session.runner.run_process(session.adapter, second_spec, ckpt, workdir / "second-loss.jsonl")
+    r = second.resumed_from(spec)
+    evidence.record(evidence.Note(f"reshard[{direction}]: {how}: exit {second.returncode}, resumed from step {r}, "
+                                  f"max |diff| {max_abs_diff(base.losses, second.losses)}"))
+    if second.returncode != 0:
+        raise session.fail(check, spec, f"{how}: the {resumed_w}-rank job exited {second.returncode}",
+                           details="  stderr:\n" + stderr_tail(second.stderr))
+    if r != step:
+        raise session.fail(check, spec, f"{how}: the {resumed_w}-rank job resumed from "
+                           + ("scratch" if r == 0 else f"step {r}") + f", not step {step}",
+                           details="  stderr:\n" + stderr_tail(second.stderr))
+    rows = loss_mismatches(base.losses, second.losses, session.tol)
+    if rows:
+        raise session.fail(check, spec, f"{how}: the global loss differs from the uninterrupted run at {len(rows)} "
+                           f"step(s) (tolerance {session.tol:g}); optimizer or per-rank state was not resharded",
+                           details="  first differing steps:\n" + format_mismatches(rows))

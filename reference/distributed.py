@@ -1,0 +1,325 @@
+"""Multi-rank checkpoints on torch.distributed.checkpoint (DCP), plus what DCP lacks.
+
+DCP plans and writes every rank's shards (`__{rank}_0.distcp`) and rank 0's `.metadata`, and
+reshards on load; `get_state_dict`/`set_state_dict` turn DDP, FSDP2 and optimizers into its
+state dicts. This module adds the commit protocol around it:
+
+    save:   every rank writes into `.staging-step-N/` (DCP, files fsynced), plus its own
+            `rank{r}.pt` (per-rank RNG and data order) and rank 0 `shared.pt`; every rank hashes
+            its files and the sha256s are gathered to rank 0, which fsyncs the directory, writes
+            `manifest.json` last, renames the staging directory to `step-N` (the commit point)
+            and fsyncs the run directory. A barrier, then rank 0 applies retention.
+    load:   rank 0 lists `step-N` directories by step number; every rank verifies its share of
+            the newest one's files against the manifest, and all ranks agree (one all-reduce)
+            before DCP reads a byte; a failing checkpoint is skipped for the next older one.
+
+Nothing is pickled: DCP holds tensors only, `rank{r}.pt` and `shared.pt` load with
+`weights_only=True`, and every file's hash is checked before DCP unpickles `.metadata`.
+Collectives run on a gloo group of the manager's own with a timeout, so a rank that died
+mid-save gives every other rank an error instead of a hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .atomic import atomic_write_bytes, fsync_dir
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError, \
+    write_error
+from .integrity import sha256_file
+from .manager import CheckpointSkippedWarning
+from .rng import capture_rng, restore_rng
+
+MANIFEST = "manifest.json"
+FORMAT = "reference.distributed/1"
+_COMMITTED_RE = re.compile(r"^step-(?P<step>[0-9]+)$")
+_STAGING_RE = re.compile(r"^\.staging-step-(?P<step>[0-9]+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """What load_latest restored: the step, rank 0's shared state and every saving rank's own state
+    (a resharding trainer redistributes them; `rank_state` is None for a rank the saving job did
+    not have, e.g. after resharding 1 -> 2)."""
+
+    step: int
+    path: Path
+    shared: dict[str, Any]
+    rank_states: dict[int, dict[str, Any]]
+    saved_world_size: int
+    rank: int
+
+    @property
+    def rank_state(self) -> dict[str, Any] | None:
+        return self.rank_states.get(self.rank)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _load_safe(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:   # weights_only refusals are UnpicklingError; torn files RuntimeError
+        raise UnsafeCheckpointError(path, f"cannot be loaded with weights_only=True: {exc}") from exc
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The commit record of a committed checkpoint; CheckpointError if absent or malformed."""
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(directory, f"no {MANIFEST}: never committed") from None
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(path, f"unreadable: {exc}") from exc
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(files, dict)
+            or not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("world_size"), int)
+            or any(not isinstance(v, list) or len(v) != 2 for v in files.values())):
+        raise CorruptCheckpointError(path, f"not a {FORMAT} manifest")
+    for name in files:
+        if not isinstance(name, str) or "/" in name or name in ("", ".", "..", MANIFEST):
+            raise CorruptCheckpointError(path, f"unsafe file name {name!r}")
+    return manifest
+
+
+def verify_files(directory: Path, manifest: dict[str, Any], names: list[str]) -> None:
+    """Size and sha256 of each named file against the manifest."""
+    for name in names:
+        size, digest = manifest["files"][name]
+        try:
+            actual = sha256_file(directory / name)
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(directory / name, "listed in the manifest but missing") from None
+        if actual != (size, digest):
+            raise CorruptCheckpointError(directory / name, f"size/sha256 {actual[0]}/{actual[1][:12]} differ "
+                                                           f"from the manifest's {size}/{digest[:12]}")
+
+
+def committed_steps(directory: Path) -> list[tuple[int, Path]]:
+    """Committed-looking checkpoints (`step-N` directories), newest first, by step number."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group("step")), Path(e.path)) for e in os.scandir(directory)
+             if (m := _COMMITTED_RE.match(e.name)) and e.is_dir(follow_symlinks=False)]
+    return sorted(found, reverse=True)
+
+
+class DistributedCheckpointManager:
+    """Save and load a multi-rank job's checkpoints under `directory` (shared by every rank).
+
+    Call save/load_latest on every rank, in the same order: they are collective."""
+
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 2,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=120)):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1: retention never leaves zero checkpoints")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.timeout = timeout
+        self.rank, self.world_size = _rank(), _world()
+        # A group of our own: its timeout bounds every commit collective, and the trainer's own
+        # collectives never interleave with ours.
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    # -- collectives -----------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+
+    def _gather(self, obj: Any) -> list[Any] | None:
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _all_ok(self, ok: bool) -> bool:
+        if self.group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    # -- save -------------------------------------------------------------------------------
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step-{step:08d}"
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+             shared: dict[str, Any] | None = None, rank_state: dict[str, Any] | None = None) -> Path:
+        """Save and commit step `step`. `shared` (rank 0's: schedulers, counters, loss history) and
+        `rank_state` (this rank's: data position, its own generators) must be weights_only-safe;
+        every rank's RNGs are captured too. Returns the committed directory."""
+        final = self.path_for(step)
+        staging = self.directory / f".staging-step-{step:08d}"
+        self._prepare(staging)
+        written = self._write(staging, model, optimizer, shared, rank_state)
+        files = self._gather_hashes(staging, written)
+        if self.rank == 0:
+            self._commit(staging, final, step, files)
+        self._barrier()                  # every rank knows the commit happened
+        if self.rank == 0:
+            self.apply_retention(just_saved=final)
+        return final
+
+    def _prepare(self, staging: Path) -> None:
+        if self.rank == 0:
+            if staging.exists():
+                shutil.rmtree(staging)     # left by a job that died mid-save
+            staging.mkdir(parents=True)
+        self._barrier()
+
+    def _write(self, staging: Path, model, optimizer, shared, rank_state) -> list[str]:
+        """This rank's files in the staging directory, each fsynced: its DCP shard (DCP plans and
+        writes), its own state, and on rank 0 `.metadata` and the shared state."""
+        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+        state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+        try:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True,
+                                                                single_file_per_rank=True),
+                     process_group=self.group)
+            written = [f"rank{self.rank}.pt"]
+            atomic_write_bytes(staging / written[0], _torch_bytes({"rank_state": rank_state or {},
+                                                                   "rng": capture_rng()}), sync_dir=False)
+            if self.rank == 0:
+                atomic_write_bytes(staging / "shared.pt", _torch_bytes(shared or {}), sync_dir=False)
+                written += ["shared.pt", ".metadata"]
+        except OSError as exc:
+            raise write_error(staging, exc) from exc
+        return written + [e.name for e in os.scandir(staging) if e.name.startswith(f"__{self.rank}_")]
+
+    def _gather_hashes(self, staging: Path, written: list[str]) -> dict[str, list] | None:
+        """Every rank hashes its own files; rank 0 gets all of them (None elsewhere). The gather
+        is also what makes rank 0 wait until every rank has finished writing."""
+        gathered = self._gather({name: list(sha256_file(staging / name)) for name in written})
+        return {name: h for part in gathered for name, h in part.items()} if gathered is not None else None
+
+    def _commit(self, staging: Path, final: Path, step: int, files: dict[str, list]) -> None:
+        """Rank 0: fsync the staging directory, write the manifest last, rename to the final name
+        (the commit point), fsync the run directory."""
+        manifest = {"format": FORMAT, "step": step, "world_size": self.world_size, "files": files}
+        try:
+            fsync_dir(staging)
+            atomic_write_bytes(staging / MANIFEST, json.dumps(manifest, sort_keys=True).encode())
+            if final.exists():
+                self._remove(final)          # an older save of the same step (a rerun)
+            os.rename(staging, final)
+            fsync_dir(self.directory)
+        except OSError as exc:
+            raise write_error(final, exc) from exc
+
+    def _remove(self, path: Path) -> None:
+        """Un-commit first (the manifest), then delete, so a crash midway leaves nothing that looks
+        committed."""
+        (path / MANIFEST).unlink(missing_ok=True)
+        fsync_dir(path)
+        shutil.rmtree(path, ignore_errors=True)
+
+    def apply_retention(self, *, just_saved: Path) -> list[Path]:
+        """Rank 0, after the commit barrier: keep the newest keep_last committed checkpoints (and
+        always `just_saved`); remove older ones and staging directories older than it."""
+        removed: list[Path] = []
+        if self.keep_last is None:
+            return removed
+        kept = 0
+        for step, path in committed_steps(self.directory):
+            if path == just_saved or kept < self.keep_last:
+                kept += 1
+                continue
+            self._remove(path)
+            removed.append(path)
+        saved_step = int(just_saved.name.split("-")[1])
+        for entry in os.scandir(self.directory):
+            m = _STAGING_RE.match(entry.name)
+            if m and int(m.group("step")) < saved_step:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+        if removed:
+            fsync_dir(self.directory)
+        return removed
+
+    # -- load -------------------------------------------------------------------------------
+    def _verify_collectively(self, path: Path) -> dict[str, Any] | None:
+        """Every rank checks its share of the files; the checkpoint is usable only if all agree."""
+        problem = None
+        manifest = None
+        try:
+            manifest = read_manifest(path)
+            names = sorted(manifest["files"])
+            verify_files(path, manifest, names[self.rank::self.world_size])
+            if manifest["files"].keys() < {".metadata", "shared.pt"}:
+                raise IncompleteCheckpointError(path, "the manifest lists no .metadata or shared.pt")
+        except CheckpointError as exc:
+            problem = exc
+        if not self._all_ok(problem is None):
+            if problem is not None:
+                warnings.warn(f"skipping checkpoint: {problem}", CheckpointSkippedWarning, stacklevel=3)
+            elif self.rank == 0:
+                warnings.warn(f"skipping checkpoint {path}: another rank found it damaged",
+                              CheckpointSkippedWarning, stacklevel=3)
+            return None
+        return manifest
+
+    def _rank_states(self, path: Path, manifest: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """Every saving rank's own state (verified with the rest of the checkpoint)."""
+        return {r: _load_safe(path / f"rank{r}.pt") for r in range(manifest["world_size"])
+                if f"rank{r}.pt" in manifest["files"]}
+
+    def _candidates(self) -> list[tuple[int, Path]]:
+        return self._broadcast(committed_steps(self.directory) if self.rank == 0 else None)
+
+    def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Loaded | None:
+        """Restore the newest checkpoint that every rank verified, or return None (nothing usable).
+        Rank 0's listing decides the candidates for all ranks, so every rank loads the same step."""
+        for step, path in self._candidates():
+            manifest = self._verify_collectively(path)
+            if manifest is None:
+                continue
+            model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+            state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=self.group)
+            set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                           optim_state_dict=state.get("optim", {}))
+            shared = _load_safe(path / "shared.pt")
+            saved = self._rank_states(path, manifest)
+            # Each rank's own generators, when the job has the same ranks; after resharding the
+            # trainer decides (its own generators travel in rank_state).
+            if self.rank in saved and manifest["world_size"] == self.world_size:
+                restore_rng(saved[self.rank]["rng"], path=str(path / f"rank{self.rank}.pt"))
+            return Loaded(step, path, shared, {r: s["rank_state"] for r, s in saved.items()},
+                          manifest["world_size"], self.rank)
+        return None

@@ -1,0 +1,143 @@
+"""Multi-rank trainers: launched through torchrun, crash points per rank, per-rank curves, the
+checks only jobs have, and a clear error for each way a multi-rank setup goes wrong."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conformance.crash import CrashPoint, parse_schedule
+from conformance.process import RunSpec, rank_log, read_job_losses
+
+REPO = Path(__file__).resolve().parent.parent
+
+SINGLE_LOG = textwrap.dedent("""\
+    import json, os
+    # Ignores WORLD_SIZE: every rank appends to the one log.
+    with open(os.environ["CONFORMANCE_LOSS_LOG"], "a") as log:
+        for step in range(1, int(os.environ["CONFORMANCE_TOTAL_STEPS"]) + 1):
+            log.write(json.dumps({"step": step, "loss": 1.0 / step}) + "\\n")
+""")
+
+
+def test_crash_points_name_a_rank():
+    assert parse_schedule("fs:9@r1,step:4@r0") == (CrashPoint("fs", 9, 1), CrashPoint("step", 4, 0))
+    assert str(CrashPoint("fs", 9, 1)) == "fs:9@r1" and CrashPoint("step", 3).on_rank == 0
+    with pytest.raises(ValueError, match="'@rN'"):
+        CrashPoint.parse("fs:9@1")
+
+
+def test_a_job_reads_one_log_per_rank_and_the_global_loss_is_their_mean(tmp_path):
+    log = tmp_path / "loss.jsonl"
+    rank_log(log, 0).write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 3.0}\n')
+    rank_log(log, 1).write_text('{"step": 1, "loss": 2.0}\n')
+    overall, ranks = read_job_losses(log, 2)
+    assert overall == {1: 1.5} and ranks == ({1: 1.0, 2: 3.0}, {1: 2.0})
+    assert rank_log(log, 0, 1) == log and RunSpec(4, 2, 0, 1, torchrun=True).is_job
+    assert not RunSpec(4, 2, 0).is_job and RunSpec(4, 2, 0, 2).describe().endswith("world_size=2")
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def test_torchrun_missing_is_one_usage_error(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    proc = subprocess.run([str(bin_dir / "python"), "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "conformance",
+                           "--adapter=fixtures.ddp_trainer:ADAPTER", "--collect-only", "-q"],
+                          cwd=tmp_path, env=_env(PATH=f"{bin_dir}:/usr/bin:/bin"), capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4, out[-3000:]
+    assert "torchrun is not on PATH" in out and "Traceback" not in out
+
+
+def test_a_rendezvous_port_in_use_is_one_usage_error(run_pytest):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_pytest("--pyargs", "conformance", "--adapter=fixtures.ddp_trainer:ADAPTER", f"--rdzv-port={port}",
+                          "--collect-only")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4, out[-3000:]
+    assert f"rendezvous port {port} on 127.0.0.1 is in use" in out
+
+
+def test_more_ranks_than_cores_is_a_warning_not_an_error(run_pytest):
+    ranks = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) + 2
+    proc = run_pytest("--pyargs", "conformance", "--adapter=fixtures.ddp_trainer:ADAPTER", f"--world-size={ranks}",
+                      "--collect-only")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"world size {ranks} is larger than the" in out and "the ranks share cores" in out
+
+
+@pytest.mark.slow
+@pytest.mark.needs_strace
+def test_a_trainer_that_ignores_world_size_and_writes_one_log_is_told_so(tmp_path, run_pytest):
+    (tmp_path / "single_log.py").write_text(SINGLE_LOG)
+    proc = run_pytest("--pyargs", "conformance", f"--trainer-cmd={sys.executable} single_log.py", "--world-size=2",
+                      "-k", "determinism")
+    assert "1 failed" in proc.stdout, proc.stdout[-3000:]
+    assert "a 2-rank run left no loss log for rank(s)" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_reference_distributed_skips_a_damaged_checkpoint_on_every_rank(tmp_path):
+    def job(total: int) -> subprocess.CompletedProcess:
+        env = _env(CONFORMANCE_CKPT_DIR=str(tmp_path / "ckpt"), CONFORMANCE_TOTAL_STEPS=str(total),
+                   CONFORMANCE_SAVE_EVERY="3", CONFORMANCE_SEED="0", CONFORMANCE_LOSS_LOG=str(tmp_path / "loss"),
+                   OMP_NUM_THREADS="1")
+        return subprocess.run(["torchrun", "--standalone", "--nproc-per-node=2", "-m", "fixtures.ddp_trainer"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    first = job(10)
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = tmp_path / "ckpt" / "step-00000009"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000006", "step-00000009"]
+    damaged = bytearray((newest / "__1_0.distcp").read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (newest / "__1_0.distcp").write_bytes(bytes(damaged))
+    again = job(12)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "rank 0: resumed from step 6" in again.stderr and "rank 1: resumed from step 6" in again.stderr
+    assert "__1_0.distcp: size/sha256" in again.stderr   # the rank that found it says which file
+
+
+def test_bitflip_reaches_every_tensor_of_a_dcp_shard(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from conformance.corrupt import bitflip
+    state = {"w": torch.ones(4, dtype=torch.float64), "b": torch.full((3,), 2.0), "n": torch.arange(3)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    shard = next((tmp_path / "ck").glob("*.distcp"))
+    assert "2 floating-point tensor record(s)" in bitflip(shard)
+    loaded = {"w": torch.zeros(4, dtype=torch.float64), "b": torch.zeros(3), "n": torch.zeros(3, dtype=torch.int64)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert loaded["w"][0] != 1.0 and loaded["b"][0] != 2.0 and loaded["w"][1] == 1.0
+    assert loaded["n"].tolist() == [0, 1, 2]
+
+
+def test_a_shifted_count_is_guessed_from_the_most_common_shift():
+    from conformance.scenario import ShiftGuesses
+    guesses, run, other = ShiftGuesses(), object(), object()
+    assert [guesses.guess(run, a) for a in (1, 2, 3, 4)] == [0, 1, 2, -1]   # nothing seen: 0, then small shifts
+    guesses.record(run, 1)
+    guesses.record(run, None)          # a landing that could not tell
+    assert guesses.guess(run, 1) == 1 and guesses.guess(other, 1) == 0
+    guesses.record(run, 0)
+    guesses.record(run, 0)
+    assert guesses.guess(run, 5) == 0
