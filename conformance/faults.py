@@ -17,7 +17,7 @@ from .crash import CrashPoint
 from .process import ProcessResult, RunSpec, remove_logs
 from .runners import Runner, Stop, Tracing
 from .crash_states import Replayer
-from .scenario import DELIVERY_ATTEMPTS, SHIFTS, CrashNotLanded, PlannedKill, count_shift, plan
+from .scenario import CrashNotLanded, PlannedKill, deliver, plan
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
 # Syscalls an error can be injected into: the writes, syncs and namespace changes of a save.
@@ -88,38 +88,33 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     rank = point.on_rank
     data = went_on_until is not None
 
-    def argv_for(f: Path) -> list[str]:
+    def argv_for(f: Path, k: PlannedKill) -> list[str]:
         # The faulted rank gets the fault; the others of a job are recorded (with their data, if
         # the directory may have to be rebuilt from what they did).
         if f.name.endswith(f".rank{rank}") or spec.world_size == 1:
-            return strace.inject_argv(f, kill.syscall, kill.nth, action=action, data=data)
+            return strace.inject_argv(f, k.syscall, k.nth, action=action, data=data)
         return strace.record_argv(f, data=data)
 
     error = action.startswith("error=")
-    planned = kill
     own_view = baseline.rank_view(rank)
-    if baseline.is_job:
-        kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, 1))
-    for attempt in range(1, DELIVERY_ATTEMPTS + 1):
-        tracing = Tracing.each(spec, workdir / "faulted.strace", argv_for)
-        first = runner.run_process(adapter, spec, ckpt, log, tracing=tracing, stop=stop)
-        first_run = recording.from_result(first, spec, ckpt, log)
+    runs: list[tuple[ProcessResult, recording.RecordedRun]] = []
+
+    def attempt(k: PlannedKill) -> recording.RecordedRun:
+        tracing = Tracing.each(spec, workdir / "faulted.strace", lambda f: argv_for(f, k))
+        result = runner.run_process(adapter, spec, ckpt, log, tracing=tracing, stop=stop)
+        runs.append((result, recording.from_result(result, spec, ckpt, log)))
         for f in tracing.files():
             f.unlink(missing_ok=True)
-        try:
-            _landed(kill, own_view, first_run.rank_view(rank), error=error)
-            if baseline.is_job:
-                SHIFTS.record(own_view, kill.nth - planned.nth)
-            break
-        except CrashNotLanded:
-            # A job's count may be off by a small constant (scenario.count_shift): retry, shifted.
-            if not baseline.is_job or attempt == DELIVERY_ATTEMPTS:
-                raise
-            SHIFTS.record(own_view, count_shift(kill, own_view, first_run.rank_view(rank)))
-            shutil.rmtree(ckpt)
-            ckpt.mkdir(parents=True)
-            remove_logs(log, spec.world_size)
-            kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, attempt + 1))
+        return runs[-1][1].rank_view(rank)
+
+    def reset() -> None:
+        shutil.rmtree(ckpt)
+        ckpt.mkdir(parents=True)
+        remove_logs(log, spec.world_size)
+
+    kill = deliver(kill, own_view, attempt, lambda k, landed: _landed(k, own_view, landed, error=error),
+                   job=baseline.is_job, shifted=baseline.is_job, reset=reset)
+    first, first_run = runs[-1]
     if went_on_until is not None and first.returncode == 0:
         replayer = Replayer()
         for op in first_run.ops:

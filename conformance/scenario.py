@@ -220,6 +220,32 @@ class ShiftGuesses:
 SHIFTS = ShiftGuesses()
 
 
+def deliver(planned: PlannedKill, own_view: recording.RecordedRun, attempt, check, *, job: bool, shifted: bool,
+            reset) -> PlannedKill:
+    """Deliver a planned fault: `attempt(kill)` runs one faulted process (or job) and returns the
+    faulted rank's recorded run; `check(kill, landed)` raises CrashNotLanded unless it landed.
+    In a job, a miss is retried after `reset()` (at most DELIVERY_ATTEMPTS times), with the count
+    shifted by the most common shift seen when `shifted` (see count_shift). Returns the kill that
+    landed."""
+    kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, 1)) if shifted else planned
+    for n in range(1, DELIVERY_ATTEMPTS + 1):
+        landed = attempt(kill)
+        try:
+            check(kill, landed)
+        except CrashNotLanded:
+            if not job or n == DELIVERY_ATTEMPTS:
+                raise
+            if shifted:
+                SHIFTS.record(own_view, count_shift(kill, own_view, landed))
+                kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, n + 1))
+            reset()
+            continue
+        if shifted:
+            SHIFTS.record(own_view, kill.nth - planned.nth)
+        return kill
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 class DirectorySnapshot:
     """A copy of a checkpoint directory taken before a delivery that may have to be retried."""
 
@@ -259,37 +285,34 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         log = (workdir / f"p{i}-loss.jsonl").resolve()
         before = frozenset(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*"))
         snapshot = DirectorySnapshot(ckpt) if own.is_job else None
-        planned = kill
         own_view = own.rank_view(point.on_rank)
-        if own.is_job and point.kind == "fs":
-            kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, 1))
-        for attempt in range(1, DELIVERY_ATTEMPTS + 1):
-            if own.is_job and point.kind == "step":
-                # By path: the rank's nth write to its own loss log, whatever else it writes.
-                view = own.rank_view(point.on_rank)
-                nth = sum(1 for sc in view.step_logs.values() if sc.seq <= view.step_logs[point.index + 1].seq)
-                path = str(rank_log(log, point.on_rank, spec.world_size))
-                argv_for = lambda f: strace.inject_on_path_argv(f, kill.syscall, nth, path)  # noqa: E731
-            else:
-                argv_for = lambda f: strace.inject_argv(f, kill.syscall, kill.nth)  # noqa: E731
+        by_path = own.is_job and point.kind == "step"
+        if by_path:
+            # The rank's nth write to its own loss log, whatever else it writes (strace -P).
+            nth = sum(1 for sc in own_view.step_logs.values() if sc.seq <= own_view.step_logs[point.index + 1].seq)
+            path = str(rank_log(log, point.on_rank, spec.world_size))
+        runs: list[ProcessResult] = []
+
+        def attempt(k: PlannedKill) -> recording.RecordedRun:
+            argv_for = (lambda f: strace.inject_on_path_argv(f, k.syscall, nth, path)) if by_path else \
+                (lambda f: strace.inject_argv(f, k.syscall, k.nth))
             tracing = Tracing.each(spec, workdir / f"p{i}-inject.strace", argv_for, ranks=[point.on_rank])
-            result = runner.run_process(adapter, spec, ckpt, log, tracing=tracing)
-            landed = recording.from_result(result, spec, ckpt, log, preexisting=before)
-            try:
-                if own.is_job and point.kind == "step":
-                    check_landed_on_log(kill, landed.rank_view(point.on_rank))
-                else:
-                    check_landed(kill, own_view, landed.rank_view(point.on_rank), result)
-                if own.is_job and point.kind == "fs":
-                    SHIFTS.record(own_view, kill.nth - planned.nth)
-                break
-            except CrashNotLanded:
-                if snapshot is None or attempt == DELIVERY_ATTEMPTS:
-                    raise
-                SHIFTS.record(own_view, count_shift(kill, own_view, landed.rank_view(point.on_rank)))
-                snapshot.restore()
-                remove_logs(log, spec.world_size)
-                kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, attempt + 1))
+            runs.append(runner.run_process(adapter, spec, ckpt, log, tracing=tracing))
+            return recording.from_result(runs[-1], spec, ckpt, log, preexisting=before).rank_view(point.on_rank)
+
+        def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
+            if by_path:
+                check_landed_on_log(k, landed)
+            else:
+                check_landed(k, own_view, landed, runs[-1])
+
+        def reset() -> None:
+            snapshot.restore()
+            remove_logs(log, spec.world_size)
+
+        kill = deliver(kill, own_view, attempt, check, job=own.is_job, shifted=own.is_job and point.kind == "fs",
+                       reset=reset)
+        result = runs[-1]
         if snapshot is not None:
             snapshot.drop()
         result.killed = True
