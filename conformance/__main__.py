@@ -36,12 +36,12 @@ def _replay(args) -> int:
             return 2
         case = check.case.parse(text) if text is not None else None
     try:
-        adapter = resolve(args.adapter, args.trainer_cmd)
+        adapter = resolve(args.adapter, args.trainer_cmd, world_size=args.world_size)
     except AdapterError as exc:
         print(f"error: cannot use the trainer: {exc}", file=sys.stderr)
         return 2
     session = Session(adapter, tol=args.loss_tol, process_timeout=args.process_timeout, grace_s=args.grace_seconds)
-    spec = RunSpec(args.total_steps, args.save_every, args.seed)
+    spec = RunSpec(args.total_steps, args.save_every, args.seed, adapter.world_size)
     try:
         result = check.decide(session, spec, param, case)
     except (ConformanceFailure, CrashNotLanded) as exc:
@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="replay one case exactly, from the line a failure printed")
     rp.add_argument("--adapter")
     rp.add_argument("--trainer-cmd")
+    rp.add_argument("--world-size", default=None, metavar="W",
+                    help="run the trainer as W ranks under torchrun (default: the adapter's world_size, or 1)")
     rp.add_argument("--check", required=True, metavar="ID", help="one of: " + ", ".join(all_check_ids()))
     rp.add_argument("--total-steps", type=int, required=True)
     rp.add_argument("--save-every", type=int, required=True)

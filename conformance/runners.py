@@ -250,9 +250,12 @@ class WarmRunner(_Jobs):
         start = time.monotonic()
         watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
                          on_signal=lambda: _signal_group(job_pid[0], signal.SIGTERM) if job_pid else None)
+        def problem() -> str | None:
+            return attacher.problem() or watch.problem()
+
         try:
             rc, overrun = self._server(adapter, target, job=True).run(
-                target.target, list(target.argv), env, stderr_path, attach, watch=watch.problem, poll=POLL_S,
+                target.target, list(target.argv), env, stderr_path, attach, watch=problem, poll=POLL_S,
                 kind=target.kind, job=launch.torchrun_flags(spec.world_size, port))
         finally:
             attacher.close()
@@ -330,6 +333,12 @@ class RankAttacher:
                 os.write(self.go[r], b"g")
                 pending.discard(r)
             time.sleep(0.001)
+
+    def problem(self) -> str | None:
+        """Why the job must be stopped now: a rank's strace could not attach (the rank waits for ever)."""
+        if self.error is None:
+            return None
+        return f"the suite could not attach strace to a rank: {self.error}"
 
     def wait(self, timeout: float | None = None) -> None:
         self._done.set()

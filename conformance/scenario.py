@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import shutil
+import weakref
 from pathlib import Path
 
 from . import alignment, recording, strace
@@ -197,24 +198,41 @@ def count_shift(kill: PlannedKill, planned: recording.RecordedRun, landed: recor
 
 
 class ShiftGuesses:
-    """The shifts seen so far for each planned run (see count_shift), landed or not. Each run's
-    own shift is drawn anew, so the best guess for the next attempt is the most common one; with
-    none seen yet, 0 and then small shifts in turn."""
+    """The shifts seen so far for each planned run and syscall (see count_shift), landed or not.
+    Each run's own shift is drawn anew, so the best guess for the next attempt is the most common
+    one; with none seen yet, 0 and then small shifts in turn. Only `write` counts drift (gloo's
+    wake-ups); a shift seen in one syscall's count says nothing about another's."""
 
     FALLBACK = (0, 1, 2, -1, 3, -2, 4, -3)
 
     def __init__(self):
-        self.seen: dict[int, collections.Counter[int]] = {}
+        self.seen: dict[tuple[int, str], tuple[weakref.ref, collections.Counter[int]]] = {}
 
-    def record(self, run: recording.RecordedRun, shift: int | None) -> None:
-        if shift is not None:
-            self.seen.setdefault(id(run), collections.Counter())[shift] += 1
+    def _counts(self, run: recording.RecordedRun, syscall: str) -> collections.Counter[int] | None:
+        found = self.seen.get((id(run), syscall))
+        if found is None or found[0]() is not run:   # an id reused by a newer run
+            return None
+        return found[1]
 
-    def guess(self, run: recording.RecordedRun, attempt: int) -> int:
-        counts = self.seen.get(id(run))
+    def record(self, run: recording.RecordedRun, syscall: str, shift: int | None) -> None:
+        if shift is None:
+            return
+        counts = self._counts(run, syscall)
+        if counts is None:
+            counts = collections.Counter()
+            self.seen[(id(run), syscall)] = (weakref.ref(run), counts)
+        counts[shift] += 1
+
+    def guess(self, run: recording.RecordedRun, syscall: str, attempt: int) -> int:
+        counts = self._counts(run, syscall)
         if counts:
             return counts.most_common(1)[0][0]
         return self.FALLBACK[(attempt - 1) % len(self.FALLBACK)]
+
+    def shifted(self, planned: PlannedKill, run: recording.RecordedRun, attempt: int) -> PlannedKill:
+        """`planned` with its count moved by the guess for this attempt (never below the first call)."""
+        nth = planned.nth + self.guess(run, planned.syscall, attempt)
+        return dataclasses.replace(planned, nth=nth if nth >= 1 else planned.nth)
 
 
 SHIFTS = ShiftGuesses()
@@ -227,7 +245,7 @@ def deliver(planned: PlannedKill, own_view: recording.RecordedRun, attempt, chec
     In a job, a miss is retried after `reset()` (at most DELIVERY_ATTEMPTS times), with the count
     shifted by the most common shift seen when `shifted` (see count_shift). Returns the kill that
     landed."""
-    kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, 1)) if shifted else planned
+    kill = SHIFTS.shifted(planned, own_view, 1) if shifted else planned
     for n in range(1, DELIVERY_ATTEMPTS + 1):
         landed = attempt(kill)
         try:
@@ -236,12 +254,12 @@ def deliver(planned: PlannedKill, own_view: recording.RecordedRun, attempt, chec
             if not job or n == DELIVERY_ATTEMPTS:
                 raise
             if shifted:
-                SHIFTS.record(own_view, count_shift(kill, own_view, landed))
-                kill = dataclasses.replace(planned, nth=planned.nth + SHIFTS.guess(own_view, n + 1))
+                SHIFTS.record(own_view, kill.syscall, count_shift(kill, own_view, landed))
+                kill = SHIFTS.shifted(planned, own_view, n + 1)
             reset()
             continue
         if shifted:
-            SHIFTS.record(own_view, kill.nth - planned.nth)
+            SHIFTS.record(own_view, kill.syscall, kill.nth - planned.nth)
         return kill
     raise AssertionError("unreachable: the last attempt returns or raises")
 

@@ -2,6 +2,7 @@
 checks only jobs have, and a clear error for each way a multi-rank setup goes wrong."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -131,13 +132,24 @@ def test_bitflip_reaches_every_tensor_of_a_dcp_shard(tmp_path):
     assert loaded["n"].tolist() == [0, 1, 2]
 
 
-def test_a_shifted_count_is_guessed_from_the_most_common_shift():
-    from conformance.scenario import ShiftGuesses
-    guesses, run, other = ShiftGuesses(), object(), object()
-    assert [guesses.guess(run, a) for a in (1, 2, 3, 4)] == [0, 1, 2, -1]   # nothing seen: 0, then small shifts
-    guesses.record(run, 1)
-    guesses.record(run, None)          # a landing that could not tell
-    assert guesses.guess(run, 1) == 1 and guesses.guess(other, 1) == 0
-    guesses.record(run, 0)
-    guesses.record(run, 0)
-    assert guesses.guess(run, 5) == 0
+def test_a_shifted_count_is_guessed_from_the_most_common_shift_of_its_own_syscall():
+    from conformance.scenario import PlannedKill, ShiftGuesses
+
+    class Run:   # stands in for a planned run: only its identity matters
+        pass
+
+    guesses, run, other = ShiftGuesses(), Run(), Run()
+    assert [guesses.guess(run, "write", a) for a in (1, 2, 3, 4)] == [0, 1, 2, -1]   # nothing seen: 0, then small
+    guesses.record(run, "write", 1)
+    guesses.record(run, "write", None)          # a landing that could not tell
+    assert guesses.guess(run, "write", 1) == 1 and guesses.guess(other, "write", 1) == 0
+    assert guesses.guess(run, "mkdir", 1) == 0  # gloo's extra writes do not move another syscall's count
+    guesses.record(run, "write", 0)
+    guesses.record(run, "write", 0)
+    assert guesses.guess(run, "write", 5) == 0
+    # A shift never plans a count below the first call (strace rejects when=0: the rank would wait
+    # for its tracer for ever).
+    guesses.record(run, "mkdir", -1)
+    first_mkdir = PlannedKill(CrashPoint("fs", 0, 1), "mkdir", 1, "rank 1: mkdir", 0, 0, 3)
+    assert guesses.shifted(first_mkdir, run, 1).nth == 1
+    assert guesses.shifted(dataclasses.replace(first_mkdir, nth=3), run, 1).nth == 2

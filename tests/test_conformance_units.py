@@ -135,3 +135,16 @@ def test_malicious_pickle_runs_code_only_without_weights_only(tmp_path):
     with pytest.raises(RuntimeError):  # the code runs before torch notices the bad magic number
         torch.load(path, weights_only=False)  # what a vulnerable trainer does
     assert marker.exists()
+
+
+def test_replay_command_of_a_multi_rank_trainer_parses_back():
+    """The printed replay line is what users paste: every argument it carries must be accepted."""
+    import dataclasses
+    import shlex
+
+    from conformance.__main__ import build_parser
+
+    adapter = dataclasses.replace(python_adapter("fixtures.ddp_trainer:ADAPTER"), world_size=2)
+    cmd = replay_command(adapter, "no_lost_work[inside_save]", RunSpec(14, 3, 0), {"schedule": "fs:0@r1"})
+    args = build_parser().parse_args(shlex.split(cmd)[3:])
+    assert (args.world_size, args.check, args.schedule) == ("2", "no_lost_work[inside_save]", "fs:0@r1")
