@@ -14,10 +14,10 @@ from pathlib import Path
 from . import alignment, recording, strace
 from .adapters import TrainerAdapter
 from .crash import CrashPoint
-from .process import ProcessResult, RunSpec, remove_logs
+from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Stop, Tracing
 from .crash_states import Replayer
-from .scenario import CrashNotLanded, PlannedKill, deliver, plan
+from .scenario import CrashNotLanded, PlannedKill, check_landed_on_log, deliver, log_write_count, plan
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
 # Syscalls an error can be injected into: the writes, syncs and namespace changes of a save.
@@ -88,10 +88,19 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     rank = point.on_rank
     data = went_on_until is not None
 
+    # A job's step point is delivered by path, as a kill's is (scenario.run_schedule): its rank
+    # counts only its writes to its own loss log. (Not when the directory may have to be rebuilt
+    # from what that rank did: only the log would be traced.)
+    by_path = baseline.is_job and point.kind == "step" and not data
+    rank_log_path = str(rank_log(log, rank, spec.world_size))
+
     def argv_for(f: Path, k: PlannedKill) -> list[str]:
         # The faulted rank gets the fault; the others of a job are recorded (with their data, if
         # the directory may have to be rebuilt from what they did).
         if f.name.endswith(f".rank{rank}") or spec.world_size == 1:
+            if by_path:
+                return strace.inject_on_path_argv(f, k.syscall, log_write_count(own_view, point.index + 1),
+                                                  rank_log_path, action=action)
             return strace.inject_argv(f, k.syscall, k.nth, action=action, data=data)
         return strace.record_argv(f, data=data)
 
@@ -112,8 +121,14 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
         ckpt.mkdir(parents=True)
         remove_logs(log, spec.world_size)
 
-    kill = deliver(kill, own_view, attempt, lambda k, landed: _landed(k, own_view, landed, error=error),
-                   job=baseline.is_job, shifted=baseline.is_job, reset=reset)
+    def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
+        if by_path:
+            check_landed_on_log(k, landed)
+        else:
+            _landed(k, own_view, landed, error=error)
+
+    kill = deliver(kill, own_view, attempt, check, job=baseline.is_job, shifted=baseline.is_job and not by_path,
+                   reset=reset)
     first, first_run = runs[-1]
     if went_on_until is not None and first.returncode == 0:
         replayer = Replayer()

@@ -191,6 +191,12 @@ class RecordedRun:
         return next((op for op in self.ops if op.error), None)
 
     def step_targetable(self, step: int) -> bool:
+        """Whether a kill can be delivered exactly as step `step` is logged. A job's rank is
+        killed by path (strace -P on its loss log: only those writes count), so any logged step
+        is; a single process by count, so only one whose log write is the first call to reach its
+        count (another thread's writes may get there first)."""
+        if self.spec.is_job:
+            return step in self.step_logs
         return step in self.step_logs and self._first_to_reach.get(
             (self.step_logs[step].name, self.step_logs[step].nth)) == self.step_logs[step].seq
 

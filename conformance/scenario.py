@@ -162,14 +162,19 @@ DELIVERY_ATTEMPTS = 8
 
 
 def check_landed_on_log(kill: PlannedKill, landed: recording.RecordedRun) -> None:
-    """For a kill delivered by path (a job's step point): the rank died writing the next step's
-    loss, having logged exactly the planned steps."""
-    hit = landed.killed_op()
-    logged = max(landed.losses, default=0)
-    if hit is None or hit.kind != "log" or logged != kill.point.index:
-        raise CrashNotLanded(f"crash point {kill.point} was planned at {kill.text} but did not land there: "
-                             + ("the rank was not killed" if hit is None else
-                                f"the kill hit {hit.describe()} after step {logged} was logged"))
+    """For a fault delivered by path (a job's step point, strace -P on the rank's loss log): the
+    rank was killed (or signalled) at the write that logs the step after the planned one."""
+    hit = landed.killed_op() or landed.signalled_op()
+    if hit is None or hit.kind != "log" or hit.after_step != kill.point.index:
+        raise CrashNotLanded(f"fault at {kill.point} was planned at {kill.text} but did not land there: "
+                             + ("the rank was not reached" if hit is None else
+                                f"it hit {hit.describe()} after step {hit.after_step} was logged"))
+
+
+def log_write_count(view: recording.RecordedRun, step: int) -> int:
+    """How many writes to its loss log a rank makes up to the one that logs `step` (the count a
+    delivery by path names)."""
+    return sum(1 for sc in view.step_logs.values() if sc.seq <= view.step_logs[step].seq)
 
 
 def count_shift(kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun) -> int | None:
@@ -239,26 +244,29 @@ SHIFTS = ShiftGuesses()
 
 
 def deliver(planned: PlannedKill, own_view: recording.RecordedRun, attempt, check, *, job: bool, shifted: bool,
-            reset) -> PlannedKill:
+            reset, counting=lambda: True) -> PlannedKill:
     """Deliver a planned fault: `attempt(kill)` runs one faulted process (or job) and returns the
     faulted rank's recorded run; `check(kill, landed)` raises CrashNotLanded unless it landed.
     In a job, a miss is retried after `reset()` (at most DELIVERY_ATTEMPTS times), with the count
-    shifted by the most common shift seen when `shifted` (see count_shift). Returns the kill that
-    landed."""
+    shifted by the most common shift seen when `shifted` (see count_shift). `counting()` says
+    whether the next attempt delivers by count at all (not by path): only those teach shifts.
+    Returns the kill that landed."""
     kill = SHIFTS.shifted(planned, own_view, 1) if shifted else planned
     for n in range(1, DELIVERY_ATTEMPTS + 1):
+        by_count = shifted and counting()
         landed = attempt(kill)
         try:
             check(kill, landed)
         except CrashNotLanded:
             if not job or n == DELIVERY_ATTEMPTS:
                 raise
-            if shifted:
+            if by_count:
                 SHIFTS.record(own_view, kill.syscall, count_shift(kill, own_view, landed))
+            if shifted:
                 kill = SHIFTS.shifted(planned, own_view, n + 1)
             reset()
             continue
-        if shifted:
+        if by_count:
             SHIFTS.record(own_view, kill.syscall, kill.nth - planned.nth)
         return kill
     raise AssertionError("unreachable: the last attempt returns or raises")
@@ -281,8 +289,46 @@ class DirectorySnapshot:
         shutil.rmtree(self.copy, ignore_errors=True)
 
 
+# Syscalls strace -P matches by the path of their fd or of their path argument; the *at calls
+# (unlinkat from shutil.rmtree, ...) may name a file relative to a directory fd, which -P does not
+# resolve. A path delivery that still misses falls back to counting (run_schedule).
+PATH_SYSCALLS = frozenset({"write", "pwrite64", "writev", "pwritev", "pwritev2", "fsync", "fdatasync", "ftruncate",
+                           "mkdir", "rename", "unlink", "rmdir", "truncate"})
+
+
+def path_delivery(kill: PlannedKill, view: recording.RecordedRun, stable: frozenset[str]) -> tuple[str, int] | None:
+    """For a job's `fs` kill: (the relative path, the count) that deliver it with strace -P,
+    counting only this thread's calls of the syscall on that path, or None when its path is not
+    the same in every run (`stable`: paths two uninterrupted runs share) or the kill is a step's.
+
+    Counting by path is exact whatever other threads do (a background writer's calls would
+    otherwise race the main thread's to the same count) and whatever gloo writes."""
+    if kill.point.kind != "fs":
+        return None
+    op = view.ops[view.mutations[kill.mutations_before]]
+    if op.syscall not in PATH_SYSCALLS or not op.inside or op.path not in stable or (op.target and op.target not in stable):
+        return None
+    nth = sum(1 for o in view.ops[:op.index + 1]
+              if o.tid == op.tid and o.syscall == op.syscall and op.path in (o.path, o.target))
+    return op.path, nth
+
+
+def check_landed_on_path(kill: PlannedKill, path: str, nth: int, landed: recording.RecordedRun) -> None:
+    """For a kill delivered by path: the rank died in its `nth` call of the syscall on `path`."""
+    hit = landed.killed_op()
+    before = [] if hit is None else [o for o in landed.ops[:hit.index]
+                                     if o.tid == hit.tid and o.syscall == hit.syscall and path in (o.path, o.target)]
+    if hit is None or hit.syscall != kill.syscall or path not in (hit.path, hit.target) or len(before) != nth - 1:
+        raise CrashNotLanded(f"crash point {kill.point} was planned at {kill.text} but did not land there: "
+                             + ("the rank was not killed" if hit is None else
+                                f"the kill hit {hit.describe()} (call #{len(before) + 1} on it)"))
+
+
 def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedule: Schedule, workdir: Path,
-                 baseline: recording.RecordedRun) -> TrialOutcome:
+                 baseline: recording.RecordedRun, stable: frozenset[str] = frozenset()) -> TrialOutcome:
+    """Run `schedule`: each point kills one process (or one rank of a job), the next starts on
+    what it left, and a last process runs to the end. `stable`: the relative paths that are the
+    same in every run (see path_delivery)."""
     ckpt = (workdir / "ckpt").resolve()
     if ckpt.exists():
         shutil.rmtree(ckpt)
@@ -305,15 +351,23 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         snapshot = DirectorySnapshot(ckpt) if own.is_job else None
         own_view = own.rank_view(point.on_rank)
         by_path = own.is_job and point.kind == "step"
+        # A job's fs kill: by path where the path is the same in every run, else (or once that
+        # missed) by count, shifted (see deliver).
+        on_path = [path_delivery(kill, own_view, stable)] if own.is_job else [None]
         if by_path:
             # The rank's nth write to its own loss log, whatever else it writes (strace -P).
-            nth = sum(1 for sc in own_view.step_logs.values() if sc.seq <= own_view.step_logs[point.index + 1].seq)
+            nth = log_write_count(own_view, point.index + 1)
             path = str(rank_log(log, point.on_rank, spec.world_size))
         runs: list[ProcessResult] = []
 
         def attempt(k: PlannedKill) -> recording.RecordedRun:
-            argv_for = (lambda f: strace.inject_on_path_argv(f, k.syscall, nth, path)) if by_path else \
-                (lambda f: strace.inject_argv(f, k.syscall, k.nth))
+            if by_path:
+                argv_for = lambda f: strace.inject_on_path_argv(f, k.syscall, nth, path)   # noqa: E731
+            elif on_path[0] is not None:
+                where, count = on_path[0]
+                argv_for = lambda f: strace.inject_on_path_argv(f, k.syscall, count, str(ckpt / where))  # noqa: E731
+            else:
+                argv_for = lambda f: strace.inject_argv(f, k.syscall, k.nth)   # noqa: E731
             tracing = Tracing.each(spec, workdir / f"p{i}-inject.strace", argv_for, ranks=[point.on_rank])
             runs.append(runner.run_process(adapter, spec, ckpt, log, tracing=tracing))
             return recording.from_result(runs[-1], spec, ckpt, log, preexisting=before).rank_view(point.on_rank)
@@ -321,6 +375,12 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
             if by_path:
                 check_landed_on_log(k, landed)
+            elif on_path[0] is not None:
+                try:
+                    check_landed_on_path(k, *on_path[0], landed)
+                except CrashNotLanded:
+                    on_path[0] = None     # the next attempts count calls instead
+                    raise
             else:
                 check_landed(k, own_view, landed, runs[-1])
 
@@ -328,8 +388,8 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
             snapshot.restore()
             remove_logs(log, spec.world_size)
 
-        kill = deliver(kill, own_view, attempt, check, job=own.is_job, shifted=own.is_job and point.kind == "fs",
-                       reset=reset)
+        kill = deliver(kill, own_view, attempt, check, job=own.is_job,
+                       shifted=own.is_job and point.kind == "fs", reset=reset, counting=lambda: on_path[0] is None)
         result = runs[-1]
         if snapshot is not None:
             snapshot.drop()

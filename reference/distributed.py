@@ -13,6 +13,13 @@ state dicts. This module adds the commit protocol around it:
             the newest one's files against the manifest, and all ranks agree (one all-reduce)
             before DCP reads a byte; a failing checkpoint is skipped for the next older one.
 
+    async:  with `async_save=True`, `save` writes the small per-rank files, hands the shards to
+            DCP's `async_save` (a CPU copy of the state, then a background thread writes; its
+            collectives run on a group of their own) and returns; `wait()` finishes the write
+            and then hashes, commits and applies retention as above. Until then the step is not
+            committed: `latest` never sees it and retention never counts it. `save` and
+            `load_latest` wait for a pending save first.
+
 Nothing is pickled: DCP holds tensors only, `rank{r}.pt` and `shared.pt` load with
 `weights_only=True`, and every file's hash is checked before DCP unpickles `.metadata`.
 Collectives run on a gloo group of the manager's own with a timeout, so a rank that died
@@ -130,13 +137,26 @@ def committed_steps(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+@dataclasses.dataclass
+class _Pending:
+    """An async save whose shards are still being written in the background."""
+
+    step: int
+    staging: Path
+    final: Path
+    written: list[str]
+    future: Any          # concurrent.futures.Future of DCP's async_save
+
+
 class DistributedCheckpointManager:
     """Save and load a multi-rank job's checkpoints under `directory` (shared by every rank).
 
-    Call save/load_latest on every rank, in the same order: they are collective."""
+    Call save/load_latest/wait on every rank, in the same order: they are collective. With
+    `async_save`, call `wait()` before the step after a save is done (or whenever the save must
+    be durable) and before exiting."""
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 2,
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=120)):
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=120), async_save: bool = False):
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1: retention never leaves zero checkpoints")
         self.directory = Path(directory)
@@ -146,6 +166,11 @@ class DistributedCheckpointManager:
         # A group of our own: its timeout bounds every commit collective, and the trainer's own
         # collectives never interleave with ours.
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        # DCP's background thread runs its own collectives: on a group of its own, so that they
+        # never interleave with the commit collectives the main thread runs on `group`.
+        self.async_save = async_save
+        self.async_group = dist.new_group(backend="gloo", timeout=timeout) if async_save and self.group else None
+        self.pending: _Pending | None = None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -183,18 +208,58 @@ class DistributedCheckpointManager:
              shared: dict[str, Any] | None = None, rank_state: dict[str, Any] | None = None) -> Path:
         """Save and commit step `step`. `shared` (rank 0's: schedulers, counters, loss history) and
         `rank_state` (this rank's: data position, its own generators) must be weights_only-safe;
-        every rank's RNGs are captured too. Returns the committed directory."""
+        every rank's RNGs are captured too. Returns the checkpoint's directory, committed on
+        return, or with `async_save` once `wait()` returns."""
+        self.wait()
         final = self.path_for(step)
         staging = self.directory / f".staging-step-{step:08d}"
         self._prepare(staging)
+        if self.async_save:
+            self.pending = self._start_async(step, staging, final, model, optimizer, shared, rank_state)
+            return final
         written = self._write(staging, model, optimizer, shared, rank_state)
+        self._finish(step, staging, final, written)
+        return final
+
+    def wait(self) -> Path | None:
+        """Finish the pending async save, if any: its shards written, then hashed, committed and
+        retention applied. Returns the directory committed, or None when nothing was pending."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        try:
+            pending.future.result()
+        except OSError as exc:
+            raise write_error(pending.staging, exc) from exc
+        written = pending.written + [e.name for e in os.scandir(pending.staging)
+                                     if e.name.startswith(f"__{self.rank}_")]
+        self._finish(pending.step, pending.staging, pending.final, written)
+        return pending.final
+
+    def _finish(self, step: int, staging: Path, final: Path, written: list[str]) -> None:
         files = self._gather_hashes(staging, written)
         if self.rank == 0:
             self._commit(staging, final, step, files)
         self._barrier()                  # every rank knows the commit happened
         if self.rank == 0:
             self.apply_retention(just_saved=final)
-        return final
+
+    def _start_async(self, step: int, staging: Path, final: Path, model, optimizer, shared, rank_state) -> _Pending:
+        """This rank's own small files now; its shards by DCP in the background (from a CPU copy
+        taken before this returns, so training may go on)."""
+        written = self._write_own(staging, shared, rank_state)
+        try:
+            future = dcp.async_save(self._state(model, optimizer), process_group=self.async_group,
+                                    storage_writer=dcp.FileSystemWriter(staging, sync_files=True,
+                                                                        single_file_per_rank=True))
+        except OSError as exc:
+            raise write_error(staging, exc) from exc
+        return _Pending(step, staging, final, written, future)
+
+    @staticmethod
+    def _state(model, optimizer) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+        return {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
 
     def _prepare(self, staging: Path) -> None:
         if self.rank == 0:
@@ -206,12 +271,18 @@ class DistributedCheckpointManager:
     def _write(self, staging: Path, model, optimizer, shared, rank_state) -> list[str]:
         """This rank's files in the staging directory, each fsynced: its DCP shard (DCP plans and
         writes), its own state, and on rank 0 `.metadata` and the shared state."""
-        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-        state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True,
-                                                                single_file_per_rank=True),
-                     process_group=self.group)
+            dcp.save(self._state(model, optimizer), storage_writer=dcp.FileSystemWriter(
+                staging, sync_files=True, single_file_per_rank=True), process_group=self.group)
+        except OSError as exc:
+            raise write_error(staging, exc) from exc
+        return self._write_own(staging, shared, rank_state) + [e.name for e in os.scandir(staging)
+                                                               if e.name.startswith(f"__{self.rank}_")]
+
+    def _write_own(self, staging: Path, shared, rank_state) -> list[str]:
+        """`rank{r}.pt` (this rank's state and RNGs) and on rank 0 `shared.pt`; `.metadata` is
+        rank 0's to list (DCP writes it)."""
+        try:
             written = [f"rank{self.rank}.pt"]
             atomic_write_bytes(staging / written[0], _torch_bytes({"rank_state": rank_state or {},
                                                                    "rng": capture_rng()}), sync_dir=False)
@@ -220,7 +291,7 @@ class DistributedCheckpointManager:
                 written += ["shared.pt", ".metadata"]
         except OSError as exc:
             raise write_error(staging, exc) from exc
-        return written + [e.name for e in os.scandir(staging) if e.name.startswith(f"__{self.rank}_")]
+        return written
 
     def _gather_hashes(self, staging: Path, written: list[str]) -> dict[str, list] | None:
         """Every rank hashes its own files; rank 0 gets all of them (None elsewhere). The gather
@@ -305,12 +376,12 @@ class DistributedCheckpointManager:
     def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Loaded | None:
         """Restore the newest checkpoint that every rank verified, or return None (nothing usable).
         Rank 0's listing decides the candidates for all ranks, so every rank loads the same step."""
+        self.wait()
         for step, path in self._candidates():
             manifest = self._verify_collectively(path)
             if manifest is None:
                 continue
-            model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-            state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+            state = self._state(model, optimizer)
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=self.group)
             set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                            optim_state_dict=state.get("optim", {}))

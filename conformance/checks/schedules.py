@@ -17,7 +17,7 @@ from .session import Session
 
 def run_trial(session: Session, spec: RunSpec, schedule: Schedule) -> TrialOutcome:
     return run_schedule(session.runner, session.adapter, spec, schedule, session.case_dir("trial"),
-                        session.baseline(spec))
+                        session.baseline(spec), session.stable_paths(spec))
 
 
 def _plot_trial(session: Session, check: str, outcome: TrialOutcome) -> str:

@@ -106,6 +106,18 @@ class Session:
         """Another uninterrupted run: what differs from the baseline is run-random or nondeterministic."""
         return self._cached(("second", spec), lambda: self._uninterrupted(spec, "second", data=False))
 
+    def stable_paths(self, spec: RunSpec) -> frozenset[str]:
+        """Relative paths under the checkpoint directory that two uninterrupted runs share (no
+        run-random part): a job's kill at an operation on one is delivered by path. Empty for a
+        single process (its kills are delivered by count)."""
+        def compute():
+            if not spec.is_job:
+                return frozenset()
+            def paths(run: RecordedRun) -> set[str]:
+                return {p for op in run.ops if op.inside for p in (op.path, op.target) if p}
+            return frozenset(paths(self.baseline(spec)) & paths(self.second_run(spec)))
+        return self._cached(("stable", spec), compute)
+
     def _uninterrupted(self, spec: RunSpec, tag: str, *, data: bool) -> RecordedRun:
         try:
             run = traced_run(self.runner, self.adapter, spec, self.case_dir(tag), tag=tag, data=data,
