@@ -29,9 +29,8 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
         pytest.importorskip("safetensors", reason="the commit-marker trainer needs the 'safetensors' extra")
     if adapter.startswith("fixtures.careful_loop"):
         pytest.importorskip("torchdata", reason="the careful loop needs the 'torchdata' extra")
-    # A multi-rank trainer runs under `quick` here: a job's kill can still miss its operation now
-    # and then (gloo's timing-dependent writes shift strace's counts; docs/running.md, "Delivery"),
-    # and `ci` draws ~80 kills. Its `ci` verdicts are measured by soak runs instead.
+    # A multi-rank trainer runs under `quick` here: its `ci` run takes 3-5 minutes on 2 cores (~80
+    # job deliveries). Its `ci` verdicts are measured by soak runs (docs/running.md, "Delivery").
     profile = "quick" if load_object(adapter).world_size > 1 else "ci"
     verdicts, out = run_suite(f"--adapter={adapter}", f"--hypothesis-profile={profile}")
     assert verdicts, out[-3000:]

@@ -153,3 +153,44 @@ def test_a_shifted_count_is_guessed_from_the_most_common_shift_of_its_own_syscal
     first_mkdir = PlannedKill(CrashPoint("fs", 0, 1), "mkdir", 1, "rank 1: mkdir", 0, 0, 3)
     assert guesses.shifted(first_mkdir, run, 1).nth == 1
     assert guesses.shifted(dataclasses.replace(first_mkdir, nth=3), run, 1).nth == 2
+
+
+def _run(ops) -> "RecordedRun":
+    from conformance.recording import Op, RecordedRun
+    built = tuple(Op(i, kind, path, target=target, syscall=syscall, tid=tid, killed=killed, after_step=3)
+                  for i, (kind, path, target, syscall, tid, killed) in enumerate(ops))
+    return RecordedRun(RunSpec(14, 3, 0, 2), None, Path("/ck"), built, {}, frozenset())
+
+
+def test_a_kill_on_a_path_every_run_shares_counts_only_its_threads_calls_on_that_path():
+    from conformance.scenario import PlannedKill, path_delivery
+    view = _run([("write", "s/rank1.pt", "", "write", 10, False),      # the main thread
+                 ("write", "s/__1_0.distcp", "", "write", 11, False),  # a background writer
+                 ("write", "s/rank1.pt", "", "write", 10, False),
+                 ("write", "s/__1_0.distcp", "", "write", 11, False),
+                 ("fsync", "s/__1_0.distcp", "", "fsync", 11, False),
+                 ("unlink", "s/old", "", "unlinkat", 10, False),
+                 ("write", "s/.tmp-83jd", "", "write", 10, False)])
+    stable = frozenset({"s/rank1.pt", "s/__1_0.distcp", "s/old"})
+
+    def at(k):
+        return PlannedKill(CrashPoint("fs", k, 1), view.ops[k].syscall, 99, "", k, 0, 3)
+
+    assert path_delivery(at(3), view, stable) == ("s/__1_0.distcp", 2)   # the writer's 2nd write to it
+    assert path_delivery(at(4), view, stable) == ("s/__1_0.distcp", 1)   # its 1st fsync of it
+    assert path_delivery(at(2), view, stable) == ("s/rank1.pt", 2)
+    assert path_delivery(at(5), view, stable) is None    # unlinkat: -P does not resolve a dirfd-relative name
+    assert path_delivery(at(6), view, stable) is None    # a run-random name: counted instead
+
+
+def test_a_kill_by_path_landed_only_on_the_planned_call():
+    from conformance.scenario import CrashNotLanded, PlannedKill, check_landed_on_path
+    kill = PlannedKill(CrashPoint("fs", 3, 1), "write", 99, "rank 1: write", 3, 0, 3)
+    first_write = _run([("write", "s/__1_0.distcp", "", "write", 11, True)])
+    second_write = _run([("write", "s/__1_0.distcp", "", "write", 11, False),
+                         ("write", "s/__1_0.distcp", "", "write", 11, True)])
+    check_landed_on_path(kill, "s/__1_0.distcp", 2, second_write)
+    with pytest.raises(CrashNotLanded, match=r"call #1 on it"):
+        check_landed_on_path(kill, "s/__1_0.distcp", 2, first_write)
+    with pytest.raises(CrashNotLanded, match="the rank was not killed"):
+        check_landed_on_path(kill, "s/__1_0.distcp", 2, _run([("write", "s/__1_0.distcp", "", "write", 11, False)]))
