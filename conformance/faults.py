@@ -17,7 +17,8 @@ from .crash import CrashPoint
 from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Stop, Tracing
 from .crash_states import Replayer
-from .scenario import CrashNotLanded, PlannedKill, check_landed_on_log, deliver, log_write_count, plan
+from .scenario import CrashNotLanded, PlannedKill, check_landed_on_log, check_landed_on_path, deliver, \
+    log_write_count, path_delivery, plan
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
 # Syscalls an error can be injected into: the writes, syncs and namespace changes of a save.
@@ -70,13 +71,14 @@ def _landed(kill: PlannedKill, planned: recording.RecordedRun, landed: recording
 
 def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: CrashPoint, action: str,
               workdir: Path, baseline: recording.RecordedRun, *, stop: Stop | None = None,
-              went_on_until: int | None = None) -> FaultOutcome:
+              went_on_until: int | None = None, stable: frozenset[str] = frozenset()) -> FaultOutcome:
     """Fault one process at `point` with `action`, then start the trainer again on what it left.
 
     With `went_on_until`=k, the faulted process is recorded with its data, and if it goes on
     training (exit 0) the next start runs on the directory as it was when the process had logged
     step k (rebuilt offline from that recording: exact, where stopping the process from outside
-    would race it), not as the whole run left it."""
+    would race it), not as the whole run left it. `stable`: paths the same in every run (a job's
+    fault on one is delivered by path, as a kill is; scenario.path_delivery)."""
     ckpt = (workdir / "ckpt").resolve()
     if ckpt.exists():
         shutil.rmtree(ckpt)
@@ -87,11 +89,14 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     log = (workdir / "faulted-loss.jsonl").resolve()
     rank = point.on_rank
     data = went_on_until is not None
-
-    # A job's step point is delivered by path, as a kill's is (scenario.run_schedule): its rank
-    # counts only its writes to its own loss log. (Not when the directory may have to be rebuilt
-    # from what that rank did: only the log would be traced.)
+    error = action.startswith("error=")
+    own_view = baseline.rank_view(rank)
+    # In a job, a step point is delivered by path on the rank's loss log, and an fs point on a
+    # stable path by path on it, as kills are (scenario.run_schedule); a path delivery traces the
+    # faulted rank's calls on that path only, so where the directory may have to be rebuilt from
+    # what that rank did, a process that went on is faulted again by count, with its data.
     by_path = baseline.is_job and point.kind == "step" and not data
+    on_path = [path_delivery(kill, own_view, stable) if baseline.is_job else None]
     rank_log_path = str(rank_log(log, rank, spec.world_size))
 
     def argv_for(f: Path, k: PlannedKill) -> list[str]:
@@ -101,11 +106,12 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
             if by_path:
                 return strace.inject_on_path_argv(f, k.syscall, log_write_count(own_view, point.index + 1),
                                                   rank_log_path, action=action)
+            if on_path[0] is not None:
+                where, count = on_path[0]
+                return strace.inject_on_path_argv(f, k.syscall, count, str(ckpt / where), action=action)
             return strace.inject_argv(f, k.syscall, k.nth, action=action, data=data)
         return strace.record_argv(f, data=data)
 
-    error = action.startswith("error=")
-    own_view = baseline.rank_view(rank)
     runs: list[tuple[ProcessResult, recording.RecordedRun]] = []
 
     def attempt(k: PlannedKill) -> recording.RecordedRun:
@@ -124,11 +130,25 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
         if by_path:
             check_landed_on_log(k, landed)
+        elif on_path[0] is not None:
+            try:
+                check_landed_on_path(k, *on_path[0], landed)
+            except CrashNotLanded:
+                on_path[0] = None     # the next attempts count calls instead
+                raise
         else:
             _landed(k, own_view, landed, error=error)
 
-    kill = deliver(kill, own_view, attempt, check, job=baseline.is_job, shifted=baseline.is_job and not by_path,
-                   reset=reset)
+    def counting() -> bool:
+        return on_path[0] is None
+
+    planned = kill
+    kill = deliver(planned, own_view, attempt, check, job=baseline.is_job, shifted=baseline.is_job and not by_path,
+                   reset=reset, counting=counting)
+    if data and on_path[0] is not None and runs[-1][0].returncode == 0:
+        on_path[0] = None
+        reset()
+        kill = deliver(planned, own_view, attempt, check, job=True, shifted=True, reset=reset, counting=counting)
     first, first_run = runs[-1]
     if went_on_until is not None and first.returncode == 0:
         replayer = Replayer()

@@ -314,14 +314,15 @@ def path_delivery(kill: PlannedKill, view: recording.RecordedRun, stable: frozen
 
 
 def check_landed_on_path(kill: PlannedKill, path: str, nth: int, landed: recording.RecordedRun) -> None:
-    """For a kill delivered by path: the rank died in its `nth` call of the syscall on `path`."""
-    hit = landed.killed_op()
+    """For a fault delivered by path: the rank died in (or got its error or signal from) its
+    `nth` call of the syscall on `path`."""
+    hit = landed.killed_op() or landed.failed_op() or landed.signalled_op()
     before = [] if hit is None else [o for o in landed.ops[:hit.index]
                                      if o.tid == hit.tid and o.syscall == hit.syscall and path in (o.path, o.target)]
     if hit is None or hit.syscall != kill.syscall or path not in (hit.path, hit.target) or len(before) != nth - 1:
         raise CrashNotLanded(f"crash point {kill.point} was planned at {kill.text} but did not land there: "
-                             + ("the rank was not killed" if hit is None else
-                                f"the kill hit {hit.describe()} (call #{len(before) + 1} on it)"))
+                             + ("the rank was not reached" if hit is None else
+                                f"it hit {hit.describe()} (call #{len(before) + 1} on it)"))
 
 
 def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedule: Schedule, workdir: Path,

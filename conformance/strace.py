@@ -216,10 +216,11 @@ def inject_argv(trace_file: Path, syscall: str, nth: int, *, action: str = "sign
 def inject_on_path_argv(trace_file: Path, syscall: str, nth: int, path: str, *,
                         action: str = "signal=KILL") -> list[str]:
     """strace arguments that inject `action` (a KILL, by default) into the process's `nth` call of
-    `syscall` on `path`, counting (and tracing) only the calls on that path (-P), whatever else
-    the thread calls. (strace 6.1 injects signals and errors together with -P.)"""
+    `syscall` on `path`, counting only the calls on that path (-P), whatever else the thread
+    calls; every recorded syscall on that path is traced. (strace 6.1 injects signals and errors
+    together with -P.)"""
     return ["strace", "-f", "-qq", "-y", "-ttt", "-s", str(PATH_BYTES), "-o", str(trace_file), "-P", path,
-            "-e", f"trace={syscall}", "-e", f"inject={syscall}:{action}:when={nth}", "--"]
+            "-e", "trace=" + ",".join(RECORD_SYSCALLS), "-e", f"inject={syscall}:{action}:when={nth}", "--"]
 
 
 @functools.lru_cache(maxsize=1)

@@ -24,7 +24,7 @@ from .session import Session
 def preemption(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
     baseline = session.baseline(spec)
     outcome = run_fault(session.runner, session.adapter, spec, point, "signal=TERM", session.case_dir("preempt"),
-                        baseline, stop=Stop(grace_s=session.grace_s))
+                        baseline, stop=Stop(grace_s=session.grace_s), stable=session.stable_paths(spec))
     kill, first, final = outcome.planned, outcome.first, outcome.final
     last = max(first.losses, default=0)
     where = (f"SIGTERM at {kill.text}" + (f", inside the save of step {kill.in_progress}" if kill.in_progress else "")

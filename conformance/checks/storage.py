@@ -31,7 +31,7 @@ def io_error(session: Session, check: str, spec: RunSpec, param: str, point: Cra
     baseline = session.baseline(spec)
     save = point_save(baseline, point) or spec.total_steps
     outcome = run_fault(session.runner, session.adapter, spec, point, f"error={errno}", session.case_dir(f"io-{param}"),
-                        baseline, went_on_until=save + 1)
+                        baseline, went_on_until=save + 1, stable=session.stable_paths(spec))
     kill, first, final = outcome.planned, outcome.first, outcome.final
     s, prev = kill.in_progress, kill.newest_committed
     where = f"{errno} injected into {kill.text}, inside the save of step {s}"

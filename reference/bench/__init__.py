@@ -1,8 +1,11 @@
 """`python -m reference.bench`: how much the library's guarantees cost, measured in one run.
 
 Six variants (and one for reference) run on the same fp32, model-like state (a few large tensors, many small ones), the
-variants alternating round by round so that background noise hits all of them alike; medians
-are reported.
+variants alternating round by round so that background noise hits all of them alike. A ratio is
+judged on its per-round values (its two variants ran side by side in each round): its median, its
+spread (25th..75th percentile) and its range are reported, and it is "met" only if the whole
+spread meets the target, "missed" if the whole spread misses it, and otherwise "inconclusive"
+(also with fewer than 7 rounds, or when a sample takes under 0.5 s: use a larger --size-mb).
 
     raw_write      the tensors' bytes written with os.write to one file, then fsync
     torch_save     torch.save(payload, path), then fsync of the file

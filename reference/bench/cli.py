@@ -14,7 +14,7 @@ from pathlib import Path
 
 from conformance.readme import replace_section
 
-from .constants import _MARKER
+from .constants import MIN_ROUNDS, _MARKER
 from .disk import fs_type
 from .memory import _memory_child
 from .run import run_benchmark
@@ -56,8 +56,11 @@ def _default_parent() -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m reference.bench", description=_package_doc().split("\n\n")[0])
-    parser.add_argument("--size-mb", type=float, default=256, help="state size in MiB (default 256)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported (default 3)")
+    parser.add_argument("--size-mb", type=float, default=512,
+                        help="state size in MiB (default 512: a cold read of it takes > 0.5 s here)")
+    parser.add_argument("--repeats", type=int, default=MIN_ROUNDS,
+                        help=f"rounds, the variants interleaved in each; fewer than {MIN_ROUNDS} leaves every "
+                             f"timed ratio inconclusive (default {MIN_ROUNDS})")
     parser.add_argument("--dir", type=Path, default=None,
                         help="where to write (a temp dir is made inside it and removed afterwards; "
                              "default: the current directory, so its disk is measured, not a tmpfs)")

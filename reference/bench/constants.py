@@ -5,6 +5,14 @@ VARIANTS = SAVE_VARIANTS + READ_VARIANTS
 MEMORY_VARIANTS = ("torch_save", "atomic_save", "sharded_save")
 TARGETS = {"sharded_save_vs_raw": (">=", 0.9), "atomic_save_vs_torch_save": (">=", 1.0),
            "verified_load_vs_raw_read": (">=", 0.8), "peak_extra_mem_frac": ("<=", 0.10)}
+# What a ratio needs before it can be called met or missed: this many rounds, and variants whose
+# median sample takes this long (shorter samples are mostly noise on a shared machine).
+MIN_ROUNDS = 7
+MIN_SAMPLE_S = 0.5
+# Ratio -> (numerator variant, denominator variant): the per-round ratio of two timed variants.
+TIMED_RATIOS = {"sharded_save_vs_raw": ("raw_write", "sharded_save"),
+                "atomic_save_vs_torch_save": ("torch_save", "atomic_save"),
+                "verified_load_vs_raw_read": ("raw_read", "verified_load")}
 _READ_CHUNK = 8 << 20
 _SAMPLE_S = 0.005
 _MARKER = "<!-- reference-bench -->"

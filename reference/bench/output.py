@@ -28,7 +28,11 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("")
     for name, value in result["ratios"].items():
         t = result["targets"].get(name)
-        status = f"  (target {t['target']}: {'met' if t['met'] else 'MISSED'})" if t else ""
+        status = ""
+        if t:
+            spread = f" [{t['spread'][0]}..{t['spread'][1]}]" if t["spread"][0] != t["spread"][1] else ""
+            verdict = {"met": "met", "missed": "MISSED"}.get(t["verdict"], f"inconclusive: {t.get('why', '')}")
+            status = f"{spread}  (target {t['target']}: {verdict})"
         lines.append(f"{name:28s} {value}{status}")
     for v, m in result["peak_extra_mem"].items():
         lines.append(f"peak extra memory {v:14s} {m['extra_mib']} MiB ({m['frac']} of the state)")
@@ -44,7 +48,8 @@ def format_markdown(result: dict[str, Any], command: str) -> str:
     out = [f"Command: `{command}` &middot; date {result['date']} &middot; machine: {m['cpus']} cores "
            f"({m['cpu_model']}), {m['memory_gib']} GiB RAM, {result['filesystem']} &middot; torch {m['torch']}, "
            f"Python {m['python']}. State: {result['state_bytes'] / (1 << 20):.0f} MiB in {result['num_tensors']} "
-           f"fp32 tensors; median of {result['repeats']} alternating rounds; {result['cache']}; "
+           f"fp32 tensors; {result['repeats']} alternating rounds, each ratio judged on its per-round values (met "
+           f"only if its whole spread meets the target); {result['cache']}; "
            f"1-minute load average {result['loadavg_1min'][0]} before, {result['loadavg_1min'][1]} after "
            f"(other work sharing the CPUs); priority: {result.get('priority', 'unchanged')}.",
            "",
@@ -52,10 +57,12 @@ def format_markdown(result: dict[str, Any], command: str) -> str:
     for v in VARIANTS:
         r = result["variants"][v]
         out.append(f"| {_LABELS[v]} | {r['median_s']:.3f} | {r['mib_per_s']:.0f} | {r['cpu_s']:.2f} |")
-    out += ["", "| ratio (higher is better, except memory) | measured | target | met |", "|---|---:|---:|:---:|"]
+    out += ["", "| ratio (higher is better, except memory) | median of rounds | spread (25th..75th pct) | target "
+            "| verdict |", "|---|---:|---:|---:|:---:|"]
     for name, value in result["ratios"].items():
-        t = result["targets"].get(name, {"target": "", "met": None})
-        out.append(f"| `{name}` | {value} | {t['target']} | {'yes' if t['met'] else 'no'} |")
+        t = result["targets"].get(name, {"target": "", "verdict": "", "spread": [value, value]})
+        spread = f"{t['spread'][0]}..{t['spread'][1]}" if t["spread"][0] != t["spread"][1] else "(one value)"
+        out.append(f"| `{name}` | {value} | {spread} | {t['target']} | {t['verdict']} |")
     if result["peak_extra_mem"]:
         out.append("")
         out.append("Peak extra RSS during a save (child process, 5 ms sampling): " + ", ".join(

@@ -15,7 +15,8 @@ import torch
 from ..sharded import load_sharded, save_sharded
 from ..single_file import save_file
 from ..state import capture
-from .constants import MEMORY_VARIANTS, READ_VARIANTS, SAVE_VARIANTS, TARGETS, VARIANTS
+from .constants import MEMORY_VARIANTS, READ_VARIANTS, SAVE_VARIANTS, TARGETS, TIMED_RATIOS, VARIANTS
+from .judge import RatioJudgement, judge, per_round
 from .workload import _tensor_view, build_state, raw_read, raw_scan, raw_write, state_bytes, torch_save
 from .disk import _read_through, _remove, drop_caches, evict, fs_type, machine_info, settle
 from .memory import measure_memory
@@ -109,12 +110,13 @@ def run_benchmark(size_mb: float, repeats: int, directory: Path, *, memory: bool
                        "times_s": [round(t, 4) for t in times[v]],
                        "cpu_s": round(statistics.median(cpu[v]), 4)}
     load_after = os.getloadavg()
-    med = {v: variants[v]["median_s"] for v in VARIANTS}
-    ratios: dict[str, Any] = {
-        "sharded_save_vs_raw": round(med["raw_write"] / med["sharded_save"], 3),
-        "atomic_save_vs_torch_save": round(med["torch_save"] / med["atomic_save"], 3),
-        "verified_load_vs_raw_read": round(med["raw_read"] / med["verified_load"], 3),
-    }
+    # Each ratio is judged on its per-round values (the two variants ran side by side in a round).
+    judged: dict[str, RatioJudgement] = {}
+    for name, (num, den) in TIMED_RATIOS.items():
+        op, bound = TARGETS[name]
+        judged[name] = judge(per_round(times[num], times[den]), op, bound,
+                             shortest_median_s=min(statistics.median(times[num]), statistics.median(times[den])))
+    ratios: dict[str, Any] = {name: j.median for name, j in judged.items()}
     mem: dict[str, Any] = {}
     if memory:
         for v in MEMORY_VARIANTS:
@@ -124,11 +126,9 @@ def run_benchmark(size_mb: float, repeats: int, directory: Path, *, memory: bool
                 f"({mem[v]['extra_frac']:.3f} of the state)")
         ratios["peak_extra_mem_frac"] = round(max(mem["atomic_save"]["extra_frac"],
                                                   mem["sharded_save"]["extra_frac"]), 4)
-    targets = {}
-    for name, (op, bound) in TARGETS.items():
-        if name in ratios:
-            value = ratios[name]
-            targets[name] = {"target": f"{op} {bound}", "met": value >= bound if op == ">=" else value <= bound}
+        op, bound = TARGETS["peak_extra_mem_frac"]
+        judged["peak_extra_mem_frac"] = judge([ratios["peak_extra_mem_frac"]], op, bound)   # one child per variant
+    targets = {name: j.as_json() for name, j in judged.items()}
     return {
         "size_mb": size_mb, "state_bytes": nbytes, "num_tensors": len(state),
         "largest_tensor_bytes": max(t.numel() * 4 for t in state.values()),
