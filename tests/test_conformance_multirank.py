@@ -194,3 +194,15 @@ def test_a_kill_by_path_landed_only_on_the_planned_call():
         check_landed_on_path(kill, "s/__1_0.distcp", 2, first_write)
     with pytest.raises(CrashNotLanded, match="the rank was not reached"):
         check_landed_on_path(kill, "s/__1_0.distcp", 2, _run([("write", "s/__1_0.distcp", "", "write", 11, False)]))
+
+
+def test_an_error_delivered_by_path_landed_on_the_planned_call():
+    import dataclasses as dc
+
+    from conformance.scenario import CrashNotLanded, PlannedKill, check_landed_on_path
+    kill = PlannedKill(CrashPoint("fs", 4, 1), "fsync", 99, "rank 1: fsync", 4, 0, 3)
+    run = _run([("fsync", "s/__1_0.distcp", "", "fsync", 11, False)])
+    failed = dc.replace(run, ops=(dc.replace(run.ops[0], error="EIO"),))
+    check_landed_on_path(kill, "s/__1_0.distcp", 1, failed)
+    with pytest.raises(CrashNotLanded):
+        check_landed_on_path(kill, "s/rank1.pt", 1, failed)   # the error hit another file
