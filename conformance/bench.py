@@ -52,40 +52,82 @@ def bare_import_seconds(repeats: int) -> tuple[float, list[float]]:
     return _median_time(lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True), repeats)
 
 
+class TrialTimer:
+    """Times one crash trial at a time on a prepared session (baseline recorded, one warm-up
+    trial paid): the bundled trainer as `python -m module`, or with `script`, as `python
+    train.py` (a script that calls the same trainer); with `multirank`, the 2-rank DDP trainer
+    with rank 1 killed."""
+
+    def __init__(self, runner_kind: str, workdir: Path, *, script: bool = False, multirank: bool = False):
+        from .adapters import command_adapter, resolve
+        from .checks import Session
+        from .crash import CrashPoint
+        from .process import RunSpec
+        from .runners import SubprocessRunner, WarmRunner
+        from .settings import SEED, TOTAL_STEPS
+        from .strategies import _ordered_fs
+
+        runner = WarmRunner() if runner_kind == "warm" else SubprocessRunner()
+        adapter = resolve(None, None)
+        if script:
+            path = workdir / "train.py"
+            path.write_text("import sys\nfrom fixtures.reference_trainer import main\nsys.exit(main())\n")
+            adapter = command_adapter(f"{sys.executable} {path}")
+        if multirank:
+            adapter = resolve(MULTIRANK_ADAPTER, None)
+        tag = f"{runner_kind}{'-script' if script else ''}{'-multirank' if multirank else ''}"
+        self.session = Session(adapter, workdir / tag, runner=runner)
+        try:
+            self.spec = RunSpec(TOTAL_STEPS, 3, SEED, adapter.world_size)
+            baseline = self.session.baseline(self.spec)
+            rank = 1 if multirank else None
+            self.point = CrashPoint("fs", _ordered_fs(baseline.rank_view(rank or 0), True)[0], rank)
+            self.once()   # warm-up: the fork server's imports are paid once
+        except BaseException:
+            self.session.close()
+            raise
+
+    def once(self) -> float:
+        from .checks.schedules import run_trial
+        start = time.perf_counter()
+        run_trial(self.session, self.spec, (self.point,))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.session.close()
+
+
 def trial_seconds(runner_kind: str, repeats: int, workdir: Path, *, script: bool = False,
                   multirank: bool = False) -> tuple[float, list[float], str]:
-    """One crash trial's median time: the bundled trainer as `python -m module`, or with
-    `script`, as `python train.py` (a script that calls the same trainer); with `multirank`, the
-    2-rank DDP trainer with rank 1 killed."""
-    from .adapters import command_adapter, resolve
-    from .checks import Session
-    from .checks.schedules import run_trial
-    from .crash import CrashPoint
-    from .process import RunSpec
-    from .runners import SubprocessRunner, WarmRunner
-    from .settings import SEED, TOTAL_STEPS
-    from .strategies import _ordered_fs
-
-    runner = WarmRunner() if runner_kind == "warm" else SubprocessRunner()
-    adapter = resolve(None, None)
-    if script:
-        path = workdir / "train.py"
-        path.write_text("import sys\nfrom fixtures.reference_trainer import main\nsys.exit(main())\n")
-        adapter = command_adapter(f"{sys.executable} {path}")
-    if multirank:
-        adapter = resolve(MULTIRANK_ADAPTER, None)
-    tag = f"{runner_kind}{'-script' if script else ''}{'-multirank' if multirank else ''}"
-    session = Session(adapter, workdir / tag, runner=runner)
+    """One crash trial's median time (see TrialTimer)."""
+    timer = TrialTimer(runner_kind, workdir, script=script, multirank=multirank)
     try:
-        spec = RunSpec(TOTAL_STEPS, 3, SEED, adapter.world_size)
-        baseline = session.baseline(spec)
-        rank = 1 if multirank else None
-        point = CrashPoint("fs", _ordered_fs(baseline.rank_view(rank or 0), True)[0], rank)
-        run_trial(session, spec, (point,))  # warm-up: the fork server's imports are paid once
-        median, times = _median_time(lambda: run_trial(session, spec, (point,)), repeats)
-        return median, times, str(point)
+        median, times = _median_time(timer.once, repeats)
+        return median, times, str(timer.point)
     finally:
-        session.close()
+        timer.close()
+
+
+def interleaved_trials(first: TrialTimer, second: TrialTimer, repeats: int) -> tuple[list[float], list[float]]:
+    """`repeats` trials of each, alternating (ABBA...), so that the machine's background load hits
+    both alike; round r's two times form one pair."""
+    a, b = [], []
+    for r in range(repeats):
+        if r % 2:
+            b.append(second.once())
+            a.append(first.once())
+        else:
+            a.append(first.once())
+            b.append(second.once())
+    return a, b
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """25th and 75th percentile."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(sorted(values), n=4, method="inclusive")
+    return q1, q3
 
 
 def states_per_minute(workdir: Path) -> tuple[float, int, float]:
@@ -160,12 +202,22 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         tmp_path = Path(tmp)
         load_before = os.getloadavg()[0]
         import_s, import_all = bare_import_seconds(repeats)
-        warm_s, warm_all, point = trial_seconds("warm", repeats, tmp_path)
+        # The single-process and the 2-rank warm trials alternate, and their ratio is judged per pair.
+        single, ranks = TrialTimer("warm", tmp_path), None
+        try:
+            ranks = TrialTimer("warm", tmp_path, multirank=True)
+            warm_all, ranks_all = interleaved_trials(single, ranks, repeats)
+            point, ranks_point = str(single.point), str(ranks.point)
+        finally:
+            single.close()
+            if ranks is not None:
+                ranks.close()
+        warm_s, ranks_s = statistics.median(warm_all), statistics.median(ranks_all)
+        pair_ratios = [m / w for m, w in zip(ranks_all, warm_all)]
         script_s, script_all, _ = trial_seconds("warm", repeats, tmp_path, script=True)
         fresh_s, fresh_all, _ = trial_seconds("fresh", fresh_repeats, tmp_path)
         per_min, n_states, states_s = states_per_minute(tmp_path)
         power_per_min, n_power, power_s = power_states_per_minute(tmp_path)
-        ranks_s, ranks_all, ranks_point = trial_seconds("warm", repeats, tmp_path, multirank=True)
         ci = ci_profile(tmp_path) if with_ci else None
         ranks_ci = ci_profile(tmp_path, f"--adapter={MULTIRANK_ADAPTER}", tag="multirank-ci") if with_ci else None
         load_after = os.getloadavg()[0]
@@ -175,10 +227,11 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         "integrity_states_per_min": per_min,
         "power_loss_states_per_min": power_per_min,
         "ci_profile_seconds": ci["seconds"] if ci else None,
-        "multirank_trial_vs_single": ranks_s / warm_s,
+        "multirank_trial_vs_single": statistics.median(pair_ratios),
         "multirank_ci_profile_seconds": ranks_ci["seconds"] if ranks_ci else None,
         "details": {
             "multirank_trial_s": ranks_s, "multirank_trial_schedule": ranks_point, "multirank_ci": ranks_ci,
+            "multirank_trial_vs_single_spread": list(spread(pair_ratios)),
             "bare_import_torch_s": import_s, "warm_trial_s": warm_s, "script_trial_s": script_s,
             "fresh_trial_s": fresh_s,
             "fresh_vs_warm": fresh_s / warm_s, "trial_schedule": point,
@@ -231,9 +284,11 @@ def format_markdown(r: dict[str, Any], command: str) -> str:
                      f"({ci.get('crash_states_checked', 0)} states / {ci.get('recorded_operations', 0)} recorded ops)"))
     else:
         rows.append(("`ci_profile_seconds`", "not run", "<= 90", "--no-ci"))
+    lo, hi = d.get("multirank_trial_vs_single_spread") or (r["multirank_trial_vs_single"],) * 2
     rows.append(("`multirank_trial_vs_single`", f"{r['multirank_trial_vs_single']:.2f}", "<= 3.0",
                  f"2-rank trial ({d['multirank_trial_schedule']}) {d['multirank_trial_s'] * 1000:.0f} ms / "
-                 f"single-process warm trial {d['warm_trial_s'] * 1000:.0f} ms"))
+                 f"single-process warm trial {d['warm_trial_s'] * 1000:.0f} ms, alternating; median of the "
+                 f"per-pair ratios, spread {lo:.2f}..{hi:.2f}"))
     mci = d.get("multirank_ci") or {}
     rows.append(("`multirank_ci_profile_seconds`", "not run" if r["multirank_ci_profile_seconds"] is None
                  else f"{r['multirank_ci_profile_seconds']:.1f}", "<= 300",

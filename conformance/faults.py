@@ -17,8 +17,8 @@ from .crash import CrashPoint
 from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Stop, Tracing
 from .crash_states import Replayer
-from .scenario import CrashNotLanded, PlannedKill, check_landed_on_log, check_landed_on_path, deliver, \
-    log_write_count, path_delivery, plan
+from .scenario import CrashNotLanded, PathDelivery, PlannedKill, check_landed_on_log, deliver, log_write_count, \
+    plan
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
 # Syscalls an error can be injected into: the writes, syncs and namespace changes of a save.
@@ -96,7 +96,7 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     # faulted rank's calls on that path only, so where the directory may have to be rebuilt from
     # what that rank did, a process that went on is faulted again by count, with its data.
     by_path = baseline.is_job and point.kind == "step" and not data
-    on_path = [path_delivery(kill, own_view, stable) if baseline.is_job else None]
+    on_path = PathDelivery(kill, own_view, stable, ckpt, job=baseline.is_job)
     rank_log_path = str(rank_log(log, rank, spec.world_size))
 
     def argv_for(f: Path, k: PlannedKill) -> list[str]:
@@ -106,9 +106,8 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
             if by_path:
                 return strace.inject_on_path_argv(f, k.syscall, log_write_count(own_view, point.index + 1),
                                                   rank_log_path, action=action)
-            if on_path[0] is not None:
-                where, count = on_path[0]
-                return strace.inject_on_path_argv(f, k.syscall, count, str(ckpt / where), action=action)
+            if not on_path.counting():
+                return on_path.argv(f, k, action)
             return strace.inject_argv(f, k.syscall, k.nth, action=action, data=data)
         return strace.record_argv(f, data=data)
 
@@ -130,25 +129,19 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
         if by_path:
             check_landed_on_log(k, landed)
-        elif on_path[0] is not None:
-            try:
-                check_landed_on_path(k, *on_path[0], landed)
-            except CrashNotLanded:
-                on_path[0] = None     # the next attempts count calls instead
-                raise
+        elif not on_path.counting():
+            on_path.check(k, landed)
         else:
             _landed(k, own_view, landed, error=error)
 
-    def counting() -> bool:
-        return on_path[0] is None
-
     planned = kill
     kill = deliver(planned, own_view, attempt, check, job=baseline.is_job, shifted=baseline.is_job and not by_path,
-                   reset=reset, counting=counting)
-    if data and on_path[0] is not None and runs[-1][0].returncode == 0:
-        on_path[0] = None
+                   reset=reset, counting=on_path.counting)
+    if data and not on_path.counting() and runs[-1][0].returncode == 0:
+        on_path.target = None
         reset()
-        kill = deliver(planned, own_view, attempt, check, job=True, shifted=True, reset=reset, counting=counting)
+        kill = deliver(planned, own_view, attempt, check, job=True, shifted=True, reset=reset,
+                       counting=on_path.counting)
     first, first_run = runs[-1]
     if went_on_until is not None and first.returncode == 0:
         replayer = Replayer()

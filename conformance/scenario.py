@@ -325,6 +325,30 @@ def check_landed_on_path(kill: PlannedKill, path: str, nth: int, landed: recordi
                                 f"it hit {hit.describe()} (call #{len(before) + 1} on it)"))
 
 
+class PathDelivery:
+    """How a job's fault at an `fs` point goes in: by path (strace -P, see path_delivery) while
+    that is possible and has not missed, else by count. Kills and injected faults share it."""
+
+    def __init__(self, kill: PlannedKill, view: recording.RecordedRun, stable: frozenset[str], ckpt: Path, *,
+                 job: bool):
+        self.target = path_delivery(kill, view, stable) if job else None
+        self.ckpt = ckpt
+
+    def counting(self) -> bool:
+        return self.target is None
+
+    def argv(self, trace_file: Path, kill: PlannedKill, action: str = "signal=KILL") -> list[str]:
+        where, count = self.target
+        return strace.inject_on_path_argv(trace_file, kill.syscall, count, str(self.ckpt / where), action=action)
+
+    def check(self, kill: PlannedKill, landed: recording.RecordedRun) -> None:
+        try:
+            check_landed_on_path(kill, *self.target, landed)
+        except CrashNotLanded:
+            self.target = None     # the next attempts count calls instead
+            raise
+
+
 def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedule: Schedule, workdir: Path,
                  baseline: recording.RecordedRun, stable: frozenset[str] = frozenset()) -> TrialOutcome:
     """Run `schedule`: each point kills one process (or one rank of a job), the next starts on
@@ -354,7 +378,7 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         by_path = own.is_job and point.kind == "step"
         # A job's fs kill: by path where the path is the same in every run, else (or once that
         # missed) by count, shifted (see deliver).
-        on_path = [path_delivery(kill, own_view, stable)] if own.is_job else [None]
+        on_path = PathDelivery(kill, own_view, stable, ckpt, job=own.is_job)
         if by_path:
             # The rank's nth write to its own loss log, whatever else it writes (strace -P).
             nth = log_write_count(own_view, point.index + 1)
@@ -364,9 +388,8 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         def attempt(k: PlannedKill) -> recording.RecordedRun:
             if by_path:
                 argv_for = lambda f: strace.inject_on_path_argv(f, k.syscall, nth, path)   # noqa: E731
-            elif on_path[0] is not None:
-                where, count = on_path[0]
-                argv_for = lambda f: strace.inject_on_path_argv(f, k.syscall, count, str(ckpt / where))  # noqa: E731
+            elif not on_path.counting():
+                argv_for = lambda f: on_path.argv(f, k)   # noqa: E731
             else:
                 argv_for = lambda f: strace.inject_argv(f, k.syscall, k.nth)   # noqa: E731
             tracing = Tracing.each(spec, workdir / f"p{i}-inject.strace", argv_for, ranks=[point.on_rank])
@@ -376,12 +399,8 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
             if by_path:
                 check_landed_on_log(k, landed)
-            elif on_path[0] is not None:
-                try:
-                    check_landed_on_path(k, *on_path[0], landed)
-                except CrashNotLanded:
-                    on_path[0] = None     # the next attempts count calls instead
-                    raise
+            elif not on_path.counting():
+                on_path.check(k, landed)
             else:
                 check_landed(k, own_view, landed, runs[-1])
 
@@ -390,7 +409,7 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
             remove_logs(log, spec.world_size)
 
         kill = deliver(kill, own_view, attempt, check, job=own.is_job,
-                       shifted=own.is_job and point.kind == "fs", reset=reset, counting=lambda: on_path[0] is None)
+                       shifted=own.is_job and point.kind == "fs", reset=reset, counting=on_path.counting)
         result = runs[-1]
         if snapshot is not None:
             snapshot.drop()
