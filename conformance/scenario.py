@@ -181,14 +181,20 @@ def count_shift(kill: PlannedKill, planned: recording.RecordedRun, landed: recor
     """How many more calls of the kill's syscall a rank made in `landed` than in its planned run
     before the same point; None if that cannot be told.
 
-    A job's ranks make a few `write` calls whose number depends on timing (gloo wakes its I/O loop
-    with a one-byte pipe write while it connects a process group), all before training starts, so
-    a count planned on one run is off by a small constant in another. It shows at the first loss
-    log write; failing that, at the operation the fault hit."""
-    first = min(planned.step_logs, default=None)
-    if first is not None and first in landed.step_logs and planned.step_logs[first].name == kill.syscall \
-            and landed.step_logs[first].name == kill.syscall:
-        return landed.step_logs[first].nth - planned.step_logs[first].nth
+    A job's ranks make `write` calls whose number depends on timing (gloo wakes its I/O loop with
+    a one-byte pipe write while it connects a process group: at the start, and again when a group
+    is first used, e.g. an async save's), so a count planned on one run is off by a small amount in
+    another, an amount that can grow during the run. It shows at the last loss-log write of the
+    same thread before the point; failing that, at the operation the fault hit."""
+    target = planned.ops[planned.mutations[kill.mutations_before]] if kill.point.kind == "fs" \
+        and kill.mutations_before < len(planned.mutations) else None
+    before = kill.point.index if kill.point.kind == "step" else target.after_step if target else 0
+    anchors = [s for s, sc in planned.step_logs.items()
+               if s <= before and s in landed.step_logs and sc.name == kill.syscall == landed.step_logs[s].name
+               and (target is None or sc.tid == target.tid)]
+    if anchors:
+        s = max(anchors)
+        return landed.step_logs[s].nth - planned.step_logs[s].nth
     hit = landed.killed_op() or landed.failed_op() or landed.signalled_op()
     if hit is None or hit.syscall != kill.syscall:
         return None
@@ -234,9 +240,11 @@ class ShiftGuesses:
             return counts.most_common(1)[0][0]
         return self.FALLBACK[(attempt - 1) % len(self.FALLBACK)]
 
-    def shifted(self, planned: PlannedKill, run: recording.RecordedRun, attempt: int) -> PlannedKill:
-        """`planned` with its count moved by the guess for this attempt (never below the first call)."""
-        nth = planned.nth + self.guess(run, planned.syscall, attempt)
+    def shifted(self, planned: PlannedKill, run: recording.RecordedRun, attempt: int, *,
+                measured: int | None = None) -> PlannedKill:
+        """`planned` with its count moved by `measured` (a shift just measured next to the point)
+        or else by the guess for this attempt (never below the first call)."""
+        nth = planned.nth + (measured if measured is not None else self.guess(run, planned.syscall, attempt))
         return dataclasses.replace(planned, nth=nth if nth >= 1 else planned.nth)
 
 
@@ -248,7 +256,8 @@ def deliver(planned: PlannedKill, own_view: recording.RecordedRun, attempt, chec
     """Deliver a planned fault: `attempt(kill)` runs one faulted process (or job) and returns the
     faulted rank's recorded run; `check(kill, landed)` raises CrashNotLanded unless it landed.
     In a job, a miss is retried after `reset()` (at most DELIVERY_ATTEMPTS times), with the count
-    shifted by the most common shift seen when `shifted` (see count_shift). `counting()` says
+    shifted when `shifted`: by the shift the missed attempt showed next to the point, else by the
+    most common one seen (see count_shift). `counting()` says
     whether the next attempt delivers by count at all (not by path): only those teach shifts.
     Returns the kill that landed."""
     kill = SHIFTS.shifted(planned, own_view, 1) if shifted else planned
@@ -260,10 +269,11 @@ def deliver(planned: PlannedKill, own_view: recording.RecordedRun, attempt, chec
         except CrashNotLanded:
             if not job or n == DELIVERY_ATTEMPTS:
                 raise
-            if by_count:
-                SHIFTS.record(own_view, kill.syscall, count_shift(kill, own_view, landed))
+            measured = count_shift(kill, own_view, landed) if by_count else None
+            SHIFTS.record(own_view, kill.syscall, measured)
             if shifted:
-                kill = SHIFTS.shifted(planned, own_view, n + 1)
+                # This attempt's own shift, measured next to the point, beats the run's usual one.
+                kill = SHIFTS.shifted(planned, own_view, n + 1, measured=measured)
             reset()
             continue
         if by_count:

@@ -206,3 +206,22 @@ def test_an_error_delivered_by_path_landed_on_the_planned_call():
     check_landed_on_path(kill, "s/__1_0.distcp", 1, failed)
     with pytest.raises(CrashNotLanded):
         check_landed_on_path(kill, "s/rank1.pt", 1, failed)   # the error hit another file
+
+
+def test_a_count_shift_is_measured_at_the_last_loss_log_write_before_the_point():
+    """gloo's wake-up writes can grow during a run (a group first used by an async save): the
+    shift at step 1's log says nothing about a point in the save of step 3."""
+    import dataclasses as dc
+
+    from conformance.scenario import PlannedKill, count_shift
+    from conformance.strace import Syscall
+
+    def logs(counts):
+        return {step: Syscall(step, 10, "write", n, (), "39") for step, n in counts.items()}
+
+    planned = dc.replace(_run([("write", "s/.tmp-a", "", "write", 10, False)]), step_logs=logs({1: 1, 3: 10}))
+    landed = dc.replace(_run([]), step_logs=logs({1: 1, 3: 12}))
+    kill = PlannedKill(CrashPoint("fs", 0, 1), "write", 11, "rank 1: write", 0, 0, 3)
+    assert count_shift(kill, planned, landed) == 2
+    background = dc.replace(planned, ops=(dc.replace(planned.ops[0], tid=11),))
+    assert count_shift(kill, background, landed) is None   # another thread's count: no anchor, nothing hit
