@@ -335,14 +335,30 @@ def check_landed_on_path(kill: PlannedKill, path: str, nth: int, landed: recordi
                                 f"it hit {hit.describe()} (call #{len(before) + 1} on it)"))
 
 
+def count_ambiguous(kill: PlannedKill, view: recording.RecordedRun) -> bool:
+    """Whether another thread of the rank makes the same count of the kill's syscall: strace
+    counts per thread, so a fault by count could land in either (a background writer's calls
+    race the main thread's)."""
+    if kill.point.kind != "fs":
+        return False
+    op = view.ops[view.mutations[kill.mutations_before]]
+    return any(o.tid != op.tid and o.syscall == op.syscall and o.nth == op.nth for o in view.ops)
+
+
 class PathDelivery:
     """How a job's fault at an `fs` point goes in: by path (strace -P, see path_delivery) while
-    that is possible and has not missed, else by count. Kills and injected faults share it."""
+    that is possible and has not missed, else by count. Kills and injected faults share it. A
+    point that can go by count only, where another thread reaches the same count, is not
+    deliverable (CrashPointMissing: another point is drawn)."""
 
     def __init__(self, kill: PlannedKill, view: recording.RecordedRun, stable: frozenset[str], ckpt: Path, *,
                  job: bool):
         self.target = path_delivery(kill, view, stable) if job else None
         self.ckpt = ckpt
+        if job and self.target is None and count_ambiguous(kill, view):
+            raise CrashPointMissing(f"{kill.point} ({kill.text}) cannot be hit exactly: its path differs from run "
+                                    f"to run, and another thread of the rank makes its {kill.syscall} "
+                                    f"#{kill.nth} too")
 
     def counting(self) -> bool:
         return self.target is None

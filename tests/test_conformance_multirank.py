@@ -225,3 +225,18 @@ def test_a_count_shift_is_measured_at_the_last_loss_log_write_before_the_point()
     assert count_shift(kill, planned, landed) == 2
     background = dc.replace(planned, ops=(dc.replace(planned.ops[0], tid=11),))
     assert count_shift(kill, background, landed) is None   # another thread's count: no anchor, nothing hit
+
+
+def test_a_point_another_thread_reaches_by_count_is_not_delivered_by_count():
+    from conformance.scenario import CrashPointMissing, PathDelivery, PlannedKill
+    view = _run([("write", "s/.tmp-main", "", "write", 10, False),     # main thread: write #1 to a temp name
+                 ("write", "s/__1_0.distcp", "", "write", 11, False)])  # background writer: its write #1
+    view = dataclasses.replace(view, ops=tuple(dataclasses.replace(o, nth=1) for o in view.ops))
+
+    def at(k):
+        return PlannedKill(CrashPoint("fs", k, 1), "write", 1, "rank 1: write", k, 0, 3)
+
+    with pytest.raises(CrashPointMissing, match="another thread of the rank makes its write #1 too"):
+        PathDelivery(at(0), view, frozenset({"s/__1_0.distcp"}), Path("/ck"), job=True)
+    assert not PathDelivery(at(1), view, frozenset({"s/__1_0.distcp"}), Path("/ck"), job=True).counting()
+    assert PathDelivery(at(0), view, frozenset(), Path("/ck"), job=False).counting()   # one process: by count
