@@ -155,7 +155,8 @@ def test_a_shifted_count_is_guessed_from_the_most_common_shift_of_its_own_syscal
     assert guesses.shifted(dataclasses.replace(first_mkdir, nth=3), run, 1).nth == 2
 
 
-def _run(ops) -> "RecordedRun":
+def _run(ops):
+    """A rank's recorded run made of `(kind, path, target, syscall, tid, killed)` operations."""
     from conformance.recording import Op, RecordedRun
     built = tuple(Op(i, kind, path, target=target, syscall=syscall, tid=tid, killed=killed, after_step=3)
                   for i, (kind, path, target, syscall, tid, killed) in enumerate(ops))
