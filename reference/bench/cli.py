@@ -56,8 +56,8 @@ def _default_parent() -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m reference.bench", description=_package_doc().split("\n\n")[0])
-    parser.add_argument("--size-mb", type=float, default=512,
-                        help="state size in MiB (default 512: a cold read of it takes > 0.5 s here)")
+    parser.add_argument("--size-mb", type=float, default=1024,
+                        help="state size in MiB (default 1024: every sample takes >= 0.5 s here)")
     parser.add_argument("--repeats", type=int, default=MIN_ROUNDS,
                         help=f"rounds, the variants interleaved in each; fewer than {MIN_ROUNDS} leaves every "
                              f"timed ratio inconclusive (default {MIN_ROUNDS})")

@@ -53,5 +53,5 @@ def judge(values: list[float], op: str, bound: float, *, shortest_median_s: floa
     verdict = "inconclusive" if why else "met" if good_lo else "missed" if bad_all else "inconclusive"
     if verdict == "inconclusive" and not why:
         why = f"the spread {q1:.3f}..{q3:.3f} crosses the target {bound}"
-    return RatioJudgement(round(med, 3), (round(q1, 3), round(q3, 3)), (round(ordered[0], 3), round(ordered[-1], 3)),
+    return RatioJudgement(round(med, 4), (round(q1, 4), round(q3, 4)), (round(ordered[0], 4), round(ordered[-1], 4)),
                           f"{op} {bound}", verdict, why)
