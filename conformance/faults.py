@@ -17,8 +17,8 @@ from .crash import CrashPoint
 from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Stop, Tracing
 from .crash_states import Replayer
-from .scenario import CrashNotLanded, PathDelivery, PlannedKill, check_landed_on_log, deliver, log_write_count, \
-    plan
+from .delivery import CrashNotLanded, PathDelivery, PlannedKill, check_landed_on_log, deliver, log_write_count
+from .scenario import plan
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
 # Syscalls an error can be injected into: the writes, syncs and namespace changes of a save.

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from . import launch, recording, strace
+from .attach import RankAttacher, attach_strace
 from .adapters import TrainerAdapter
 from .process import ProcessResult, RunSpec, read_job_losses, read_losses
 from .watchdog import Limits, ProcessOverran, Stop, Watchdog
@@ -296,72 +297,6 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-class RankAttacher:
-    """Warm jobs: as each traced rank announces its pid (rank.warm_rank), attach its strace and
-    release it. `start()` returns this object, which the fork server client waits on like a
-    single strace (`wait`, `kill`)."""
-
-    def __init__(self, directory: Path, straces: dict[int, list[str]]):
-        self.directory, self.straces = directory, straces
-        self.go: dict[int, int] = {}
-        for r in straces:
-            fifo = directory / f"go.rank{r}"
-            os.mkfifo(fifo)
-            self.go[r] = os.open(fifo, os.O_RDWR)   # never blocks; the rank opens the read end
-        self.tracers: list[subprocess.Popen] = []
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def start(self) -> "RankAttacher":
-        if self.straces:
-            self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        pending = set(self.straces)
-        while pending and not self._done.is_set():
-            for r in sorted(pending):
-                path = self.directory / f"rank{r}"
-                if not path.exists():
-                    continue
-                try:
-                    self.tracers.append(attach_strace(self.straces[r], int(path.read_text())))
-                except BaseException as exc:   # the rank stays blocked; the job's watchdog ends it
-                    self.error = exc
-                    return
-                os.write(self.go[r], b"g")
-                pending.discard(r)
-            time.sleep(0.001)
-
-    def problem(self) -> str | None:
-        """Why the job must be stopped now: a rank's strace could not attach (the rank waits for ever)."""
-        if self.error is None:
-            return None
-        return f"the suite could not attach strace to a rank: {self.error}"
-
-    def wait(self, timeout: float | None = None) -> None:
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        for tracer in self.tracers:
-            try:
-                tracer.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                tracer.kill()
-
-    def kill(self) -> None:
-        self._done.set()
-        for tracer in self.tracers:
-            tracer.kill()
-
-    def close(self) -> None:
-        self.wait(timeout=60)
-        for fd in self.go.values():
-            os.close(fd)
-        self.go.clear()
-
-
 def script_imports(path: str) -> list[str]:
     """The modules a script imports at its top level: the fork server imports them once, as it
     imports a module trainer, so a forked child does not (a failing import is left to the child)."""
@@ -377,23 +312,6 @@ def script_imports(path: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
     return list(dict.fromkeys(names))
-
-
-def attach_strace(prefix: list[str], pid: int) -> subprocess.Popen:
-    """Start strace on an existing (blocked) process and return once it is attached."""
-    args = [a for a in prefix if a not in ("-qq", "--")] + ["-p", str(pid)]
-    tracer = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    seen = []
-    for line in tracer.stderr:
-        seen.append(line)
-        if "attached" in line:
-            break
-    else:
-        tracer.wait()
-        raise RuntimeError(f"strace could not attach to {pid}: {''.join(seen)[-500:]}")
-    threading.Thread(target=tracer.stderr.read, daemon=True).start()
-    return tracer
 
 
 def listing(directory: Path) -> frozenset[str]:

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = [
     {"crash", "process", "strace", "settings", "evidence", "readme", "adapters", "corrupt", "child", "launch"},
     {"recording", "alignment", "failures", "plots", "watchdog"},
-    {"runners", "forkserver", "rank"},
-    {"scenario", "crash_states", "powerloss", "faults", "strategies"},
+    {"runners", "forkserver", "rank", "attach"},
+    {"delivery", "scenario", "crash_states", "powerloss", "faults", "strategies"},
     {"checks"},
     {"expected", "report", "suite", "plugin", "__main__", "bench", "test_conformance", "__init__", "usage", "init",
      "levels"},

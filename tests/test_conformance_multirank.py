@@ -133,7 +133,7 @@ def test_bitflip_reaches_every_tensor_of_a_dcp_shard(tmp_path):
 
 
 def test_a_shifted_count_is_guessed_from_the_most_common_shift_of_its_own_syscall():
-    from conformance.scenario import PlannedKill, ShiftGuesses
+    from conformance.delivery import PlannedKill, ShiftGuesses
 
     class Run:   # stands in for a planned run: only its identity matters
         pass
@@ -164,7 +164,7 @@ def _run(ops):
 
 
 def test_a_kill_on_a_path_every_run_shares_counts_only_its_threads_calls_on_that_path():
-    from conformance.scenario import PlannedKill, path_delivery
+    from conformance.delivery import PlannedKill, path_delivery
     view = _run([("write", "s/rank1.pt", "", "write", 10, False),      # the main thread
                  ("write", "s/__1_0.distcp", "", "write", 11, False),  # a background writer
                  ("write", "s/rank1.pt", "", "write", 10, False),
@@ -185,7 +185,7 @@ def test_a_kill_on_a_path_every_run_shares_counts_only_its_threads_calls_on_that
 
 
 def test_a_kill_by_path_landed_only_on_the_planned_call():
-    from conformance.scenario import CrashNotLanded, PlannedKill, check_landed_on_path
+    from conformance.delivery import CrashNotLanded, PlannedKill, check_landed_on_path
     kill = PlannedKill(CrashPoint("fs", 3, 1), "write", 99, "rank 1: write", 3, 0, 3)
     first_write = _run([("write", "s/__1_0.distcp", "", "write", 11, True)])
     second_write = _run([("write", "s/__1_0.distcp", "", "write", 11, False),
@@ -200,7 +200,7 @@ def test_a_kill_by_path_landed_only_on_the_planned_call():
 def test_an_error_delivered_by_path_landed_on_the_planned_call():
     import dataclasses as dc
 
-    from conformance.scenario import CrashNotLanded, PlannedKill, check_landed_on_path
+    from conformance.delivery import CrashNotLanded, PlannedKill, check_landed_on_path
     kill = PlannedKill(CrashPoint("fs", 4, 1), "fsync", 99, "rank 1: fsync", 4, 0, 3)
     run = _run([("fsync", "s/__1_0.distcp", "", "fsync", 11, False)])
     failed = dc.replace(run, ops=(dc.replace(run.ops[0], error="EIO"),))
@@ -214,7 +214,7 @@ def test_a_count_shift_is_measured_at_the_last_loss_log_write_before_the_point()
     shift at step 1's log says nothing about a point in the save of step 3."""
     import dataclasses as dc
 
-    from conformance.scenario import PlannedKill, count_shift
+    from conformance.delivery import PlannedKill, count_shift
     from conformance.strace import Syscall
 
     def logs(counts):
@@ -229,7 +229,7 @@ def test_a_count_shift_is_measured_at_the_last_loss_log_write_before_the_point()
 
 
 def test_a_point_another_thread_reaches_by_count_is_not_delivered_by_count():
-    from conformance.scenario import CrashPointMissing, PathDelivery, PlannedKill
+    from conformance.delivery import CrashPointMissing, PathDelivery, PlannedKill
     view = _run([("write", "s/.tmp-main", "", "write", 10, False),     # main thread: write #1 to a temp name
                  ("write", "s/__1_0.distcp", "", "write", 11, False)])  # background writer: its write #1
     view = dataclasses.replace(view, ops=tuple(dataclasses.replace(o, nth=1) for o in view.ops))
@@ -241,3 +241,16 @@ def test_a_point_another_thread_reaches_by_count_is_not_delivered_by_count():
         PathDelivery(at(0), view, frozenset({"s/__1_0.distcp"}), Path("/ck"), job=True)
     assert not PathDelivery(at(1), view, frozenset({"s/__1_0.distcp"}), Path("/ck"), job=True).counting()
     assert PathDelivery(at(0), view, frozenset(), Path("/ck"), job=False).counting()   # one process: by count
+
+
+def test_a_late_kill_shows_the_shift_at_the_planned_operation_itself():
+    import dataclasses as dc
+
+    from conformance.delivery import PlannedKill, count_shift
+    planned = _run([("write", "s/a", "", "write", 10, False), ("write", "s/.tmp-b", "", "write", 10, False)])
+    planned = dc.replace(planned, ops=tuple(dc.replace(o, nth=n) for o, n in zip(planned.ops, (5, 6))))
+    landed = _run([("write", "s/a", "", "write", 10, False), ("write", "s/.tmp-c", "", "write", 10, False),
+                   ("write", "s/d", "", "write", 10, True)])
+    landed = dc.replace(landed, ops=tuple(dc.replace(o, nth=n) for o, n in zip(landed.ops, (3, 4, 6))))
+    kill = PlannedKill(CrashPoint("fs", 1, 1), "write", 6, "rank 1: write", 1, 0, 3)
+    assert count_shift(kill, planned, landed) == -2    # the target was this run's write #4, not #6
