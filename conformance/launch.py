@@ -2,7 +2,7 @@
 
 A trainer with world size W > 1 runs as
 
-    torchrun --nnodes=1 --nproc-per-node=W --max-restarts=0 --monitor-interval=0.02 \
+    torchrun --nnodes=1 --nproc-per-node=W --max-restarts=0 --monitor-interval=0.005 \
              --rdzv-backend=static --master-addr=127.0.0.1 --master-port=<a free port> <trainer>
 
 one node, one local rendezvous (what `--standalone` gives), on a port chosen per job so that
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 # The agent checks on its ranks this often: how soon a rank's death stops the others.
-MONITOR_INTERVAL_S = 0.02
+MONITOR_INTERVAL_S = 0.005
 # Variables the rank entry point reads (and removes before the trainer runs).
 STRACE_VAR = "CONFORMANCE_RANK_STRACE"      # JSON {rank: strace argv prefix}
 STDERR_VAR = "CONFORMANCE_RANK_STDERR"      # a path with "{rank}" in it

@@ -173,6 +173,10 @@ class DistributedCheckpointManager:
         self.pending: _Pending | None = None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._remove_staging()
+        # Once, here: no save of this job runs while a stale staging directory is removed, so a
+        # save needs no barrier before its ranks start writing.
+        self._barrier()
 
     # -- collectives -----------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -262,11 +266,22 @@ class DistributedCheckpointManager:
         return {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
 
     def _prepare(self, staging: Path) -> None:
-        if self.rank == 0:
-            if staging.exists():
-                shutil.rmtree(staging)     # left by a job that died mid-save
-            staging.mkdir(parents=True)
-        self._barrier()
+        """Every rank creates the staging directory (DCP's writers do too); a stale one from a job
+        that died mid-save was removed when this manager started."""
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise write_error(staging, exc) from exc
+
+    def _remove_staging(self, older_than: int | None = None) -> list[Path]:
+        """Rank 0: remove staging directories (of steps before `older_than`, or all)."""
+        removed = []
+        for entry in os.scandir(self.directory):
+            m = _STAGING_RE.match(entry.name)
+            if m and (older_than is None or int(m.group("step")) < older_than):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+        return removed
 
     def _write(self, staging: Path, model, optimizer, shared, rank_state) -> list[str]:
         """This rank's files in the staging directory, each fsynced: its DCP shard (DCP plans and
@@ -282,16 +297,15 @@ class DistributedCheckpointManager:
     def _write_own(self, staging: Path, shared, rank_state) -> list[str]:
         """`rank{r}.pt` (this rank's state and RNGs) and on rank 0 `shared.pt`; `.metadata` is
         rank 0's to list (DCP writes it)."""
+        files = {f"rank{self.rank}.pt": _torch_bytes({"rank_state": rank_state or {}, "rng": capture_rng()})}
+        if self.rank == 0:
+            files["shared.pt"] = _torch_bytes(shared or {})
         try:
-            written = [f"rank{self.rank}.pt"]
-            atomic_write_bytes(staging / written[0], _torch_bytes({"rank_state": rank_state or {},
-                                                                   "rng": capture_rng()}), sync_dir=False)
-            if self.rank == 0:
-                atomic_write_bytes(staging / "shared.pt", _torch_bytes(shared or {}), sync_dir=False)
-                written += ["shared.pt", ".metadata"]
+            for name, data in files.items():
+                atomic_write_bytes(staging / name, data, sync_dir=False)
         except OSError as exc:
             raise write_error(staging, exc) from exc
-        return written
+        return list(files) + ([".metadata"] if self.rank == 0 else [])
 
     def _gather_hashes(self, staging: Path, written: list[str]) -> dict[str, list] | None:
         """Every rank hashes its own files; rank 0 gets all of them (None elsewhere). The gather
@@ -333,12 +347,7 @@ class DistributedCheckpointManager:
                 continue
             self._remove(path)
             removed.append(path)
-        saved_step = int(just_saved.name.split("-")[1])
-        for entry in os.scandir(self.directory):
-            m = _STAGING_RE.match(entry.name)
-            if m and int(m.group("step")) < saved_step:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(Path(entry.path))
+        removed += self._remove_staging(older_than=int(just_saved.name.split("-")[1]))
         if removed:
             fsync_dir(self.directory)
         return removed

@@ -37,10 +37,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 def sha256_file(path: str | os.PathLike) -> tuple[int, str]:
     """(size, sha256) of a file, read in large chunks into one reused buffer."""
     h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
     total = 0
     with open(path, "rb", buffering=0) as f:
+        # A buffer no larger than the file: zeroing 8 MiB costs more than hashing a small file.
+        buf = bytearray(max(1, min(_CHUNK, os.fstat(f.fileno()).st_size + 1)))
+        view = memoryview(buf)
         while True:
             n = f.readinto(buf)
             if not n:
