@@ -10,6 +10,8 @@
     state.restore(model, optimizer, scheduler)   # also restores every RNG
 """
 from .atomic import atomic_write, atomic_write_bytes, remove_stale_temps
+from .chain import BrokenChainError
+from .codec import Compression
 from .data_order import ResumableBatchSampler
 from .errors import (CheckpointError, CheckpointWriteError, CorruptCheckpointError, IncompleteCheckpointError,
                      InvalidIndexError, RNGRestoreError, SchemaError, UnsafeCheckpointError)
@@ -25,7 +27,7 @@ from .state import TrainState, capture
 __version__ = "0.1.0"
 
 __all__ = [
-    "CURRENT_SCHEMA", "CURRENT_VERSION", "CheckpointError", "CheckpointInfo", "CheckpointManager",
+    "BrokenChainError", "CURRENT_SCHEMA", "CURRENT_VERSION", "CheckpointError", "Compression", "CheckpointInfo", "CheckpointManager",
     "CheckpointWriteError", "PreemptionGuard",
     "CheckpointSkippedWarning", "CorruptCheckpointError", "IncompleteCheckpointError",
     "InvalidIndexError", "RNGRestoreError", "ResumableBatchSampler", "SchemaError", "TrainState",

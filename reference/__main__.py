@@ -1,6 +1,7 @@
 """`python -m reference COMMAND`: tools for checkpoint directories written by this library.
 
     python -m reference fsck DIR     verify every checkpoint in DIR (exit 0/1/2/3, see --help)
+    python -m reference fsck --gc DIR   list orphan pieces of chained checkpoints (--no-dry-run removes)
 """
 from __future__ import annotations
 

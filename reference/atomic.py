@@ -58,9 +58,9 @@ class HashingWriter:
     and raises its error, if any. close() stops the helpers.
     """
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, *, hashing: bool = True):
         self._fd = fd
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if hashing else None
         self._pending = bytearray()
         self._written = 0
         self._flushed_for_writeback = 0
@@ -88,7 +88,7 @@ class HashingWriter:
         return self._written + len(self._pending)
 
     def hexdigest(self) -> str:
-        return self._hash.hexdigest()
+        return self._hash.hexdigest() if self._hash is not None else ""
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -112,7 +112,9 @@ class HashingWriter:
 
     def _write_all(self, view: memoryview) -> None:
         hashing = None
-        if view.nbytes >= _OVERLAP_MIN:
+        if self._hash is None:
+            pass
+        elif view.nbytes >= _OVERLAP_MIN:
             if self._helper is None:
                 self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hashing-writer")
             hashing = self._helper.submit(self._hash.update, view)
@@ -141,8 +143,9 @@ _fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[HashingWriter], None], *,
-                 sync_dir: bool = True) -> tuple[int, str]:
-    """Atomically create or replace `path` with what `write(sink)` writes; returns (bytes, sha256).
+                 sync_dir: bool = True, hashing: bool = True) -> tuple[int, str]:
+    """Atomically create or replace `path` with what `write(sink)` writes; returns (bytes, sha256)
+    (the sha256 is "" with `hashing=False`, for a caller that hashed the content itself).
 
     If `write`, a write(2), an fsync or the rename fails, the temp file is removed and `path` is
     untouched; an OS error is raised as CheckpointWriteError (an OSError too). If only the final
@@ -156,7 +159,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[HashingWriter], None]
         raise write_error(final, exc) from exc
     try:
         try:
-            sink = HashingWriter(fd)
+            sink = HashingWriter(fd, hashing=hashing)
             try:
                 write(sink)
                 sink.finish()

@@ -32,13 +32,22 @@ def test_per_round_ratios_pair_the_variants_of_each_round():
 
 def test_a_short_run_reports_every_ratio_with_its_spread_and_says_it_cannot_judge(tmp_path):
     result = run_benchmark(2, 2, tmp_path, memory=False)
-    assert set(result["ratios"]) == {"sharded_save_vs_raw", "atomic_save_vs_torch_save", "verified_load_vs_raw_read"}
+    timed = {"sharded_save_vs_raw", "atomic_save_vs_torch_save", "verified_load_vs_raw_read",
+             "chain_restore_vs_full", "compressed_save_vs_plain", "async_stall_vs_copy"}
+    counted = {"incremental_bytes_frac_frozen", "incremental_bytes_frac_sparse", "compress_ratio_bf16",
+               "compress_ratio_fp32", "shuffle_gain"}
+    assert set(result["ratios"]) == timed | counted
     for name, t in result["targets"].items():
-        assert t["verdict"] == "inconclusive" and not t["met"], (name, t)
+        if name in timed:
+            assert t["verdict"] == "inconclusive" and not t["met"], (name, t)
+        else:      # exact counts: one value, judged as it is
+            assert t["verdict"] in ("met", "missed") and t["spread"][0] == t["spread"][1], (name, t)
         assert t["spread"][0] <= result["ratios"][name] <= t["spread"][1] or t["spread"][0] == t["spread"][1]
+    assert result["chains"]["incremental_bytes_frac_frozen"]["sgd"]["frac"] < result["ratios"]["incremental_bytes_frac_frozen"]
     result.update(command="python -m reference.bench --size-mb 2 --repeats 2", priority="unchanged")
     assert "inconclusive: 2 rounds" in format_table(result)
-    assert "| inconclusive |" in format_markdown(result, result["command"])
+    markdown = format_markdown(result, result["command"])
+    assert "| inconclusive |" in markdown and "Chained checkpoints: frozen backbone" in markdown
 
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--size-mb", "0"]])

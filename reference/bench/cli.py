@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: the current directory, so its disk is measured, not a tmpfs)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
+    parser.add_argument("--no-chains", action="store_true",
+                        help="skip the chained-checkpoint keys (incremental, compression, async; see chains.py)")
     parser.add_argument("--nice", type=int, default=0, metavar="N",
                         help="run at this nice value, and (Linux, root) with this autogroup nice, so "
                              "other sessions' processes take less of the CPUs; negative raises the "
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix=".reference-bench-", dir=parent))
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     try:
-        result = run_benchmark(args.size_mb, args.repeats, work, memory=not args.no_memory, log=log)
+        result = run_benchmark(args.size_mb, args.repeats, work, memory=not args.no_memory,
+                               chains=not args.no_chains, log=log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     command = "python -m reference.bench " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -4,7 +4,12 @@ READ_VARIANTS = ("raw_read", "verified_load", "raw_scan")
 VARIANTS = SAVE_VARIANTS + READ_VARIANTS
 MEMORY_VARIANTS = ("torch_save", "atomic_save", "sharded_save")
 TARGETS = {"sharded_save_vs_raw": (">=", 0.9), "atomic_save_vs_torch_save": (">=", 1.0),
-           "verified_load_vs_raw_read": (">=", 0.8), "peak_extra_mem_frac": ("<=", 0.10)}
+           "verified_load_vs_raw_read": (">=", 0.8), "peak_extra_mem_frac": ("<=", 0.10),
+           # chained checkpoints (chains.py)
+           "incremental_bytes_frac_frozen": ("<=", 0.15), "incremental_bytes_frac_sparse": ("<=", 0.05),
+           "chain_restore_vs_full": ("<=", 1.5), "compress_ratio_bf16": (">=", 1.40),
+           "compress_ratio_fp32": (">=", 1.15), "shuffle_gain": (">=", 1.08),
+           "compressed_save_vs_plain": ("<=", 1.5), "async_stall_vs_copy": ("<=", 1.5)}
 # What a ratio needs before it can be called met or missed: this many rounds, and variants whose
 # median sample takes this long (shorter samples are mostly noise on a shared machine).
 MIN_ROUNDS = 7

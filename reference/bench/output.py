@@ -57,15 +57,45 @@ def format_markdown(result: dict[str, Any], command: str) -> str:
     for v in VARIANTS:
         r = result["variants"][v]
         out.append(f"| {_LABELS[v]} | {r['median_s']:.3f} | {r['mib_per_s']:.0f} | {r['cpu_s']:.2f} |")
-    out += ["", "| ratio (higher is better, except memory) | median of rounds | spread (25th..75th pct) | target "
+    out += ["", "| ratio | median of rounds | spread (25th..75th pct) | target "
             "| verdict |", "|---|---:|---:|---:|:---:|"]
     for name, value in result["ratios"].items():
         t = result["targets"].get(name, {"target": "", "verdict": "", "spread": [value, value]})
         spread = f"{t['spread'][0]}..{t['spread'][1]}" if t["spread"][0] != t["spread"][1] else "(one value)"
         out.append(f"| `{name}` | {value} | {spread} | {t['target']} | {t['verdict']} |")
+    chains = result.get("chains") or {}
+    if chains:
+        out += ["", chain_notes(chains)]
     if result["peak_extra_mem"]:
         out.append("")
         out.append("Peak extra RSS during a save (child process, 5 ms sampling): " + ", ".join(
             f"{v} {m['extra_mib']} MiB ({m['frac']:.3f} of the state)" for v, m in result["peak_extra_mem"].items())
             + ".")
     return "\n".join(out)
+
+
+def chain_notes(c: dict[str, Any]) -> str:
+    """What the chained-checkpoint ratios were measured on, in words."""
+    frozen, sparse, comp = c["incremental_bytes_frac_frozen"], c["incremental_bytes_frac_sparse"], c["compression"]
+    levels = sorted({int(k.rsplit("level", 1)[1]) for k in comp if "_level" in k})
+    rates = "; ".join(f"{d} level {lv}: shuffled {comp[f'{d}_level{lv}']['shuffled']['ratio']:.3f} at "
+                      f"{comp[f'{d}_level{lv}']['shuffled']['mib_per_s']:.0f} MiB/s, plain zstd "
+                      f"{comp[f'{d}_level{lv}']['plain']['ratio']:.3f} at {comp[f'{d}_level{lv}']['plain']['mib_per_s']:.0f} MiB/s"
+                      for d in ("bf16", "fp32") for lv in levels)
+    parts = [f"Chained checkpoints: frozen backbone ({frozen['frozen_param_frac']:.0%} of the parameters frozen, "
+             f"AdamW on the rest) {frozen['incremental_bytes']} of {frozen['full_bytes']} bytes; with plain SGD "
+             f"{frozen['sgd']['frac']:.3f}; an incremental save cannot write less than the trained parameters and "
+             f"their optimizer state, (1 + s)·f / (1 + s·f) of a full save for a fraction f trained with s state "
+             f"tensors per parameter (AdamW: s = 2, f = 0.1: 0.25).",
+             f"Sparse: {sparse['rows_touched']} of {sparse['rows']} rows touched, {sparse['incremental_bytes']} of "
+             f"{sparse['full_bytes']} bytes.",
+             f"Compression of trained weights (zstd, byte planes compressed where they shrink): {rates}."]
+    for key, what in (("chain_restore_vs_full", "chain of {chain_length}: {chain_restore_s:.3f} s vs full {full_restore_s:.3f} s"),
+                      ("compressed_save_vs_plain", "compressed {compressed_save_s:.3f} s ({compressed_mib_per_s:.0f} MiB/s, "
+                                                   "state {ratio_of_state:.3f}x smaller) vs plain {plain_save_s:.3f} s "
+                                                   "({plain_mib_per_s:.0f} MiB/s)"),
+                      ("async_stall_vs_copy", "save(blocking=False) blocks {async_save_blocks_s:.3f} s vs clone {cpu_copy_s:.3f} s "
+                                              "(a sample sums {calls_per_sample} calls)")):
+        if key in c:
+            parts.append(f"`{key}`: " + what.format(**c[key]) + ".")
+    return " ".join(parts)

@@ -16,6 +16,7 @@ from ..sharded import load_sharded, save_sharded
 from ..single_file import save_file
 from ..state import capture
 from .constants import MEMORY_VARIANTS, READ_VARIANTS, SAVE_VARIANTS, TARGETS, TIMED_RATIOS, VARIANTS
+from .chains import run_chain_benchmark
 from .judge import RatioJudgement, judge, per_round
 from .workload import _tensor_view, build_state, raw_read, raw_scan, raw_write, state_bytes, torch_save
 from .disk import _read_through, _remove, drop_caches, evict, fs_type, machine_info, settle
@@ -24,7 +25,7 @@ from .memory import measure_memory
 
 
 
-def run_benchmark(size_mb: float, repeats: int, directory: Path, *, memory: bool = True,
+def run_benchmark(size_mb: float, repeats: int, directory: Path, *, memory: bool = True, chains: bool = True,
                   log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     state = build_state(size_mb)
     payload = capture(state, global_step=1)
@@ -128,6 +129,11 @@ def run_benchmark(size_mb: float, repeats: int, directory: Path, *, memory: bool
                                                   mem["sharded_save"]["extra_frac"]), 4)
         op, bound = TARGETS["peak_extra_mem_frac"]
         judged["peak_extra_mem_frac"] = judge([ratios["peak_extra_mem_frac"]], op, bound)   # one child per variant
+    chain_details: dict[str, Any] = {}
+    if chains:
+        chain_ratios, chain_judged, chain_details = run_chain_benchmark(size_mb, repeats, directory, log=log)
+        ratios.update(chain_ratios)
+        judged.update(chain_judged)
     targets = {name: j.as_json() for name, j in judged.items()}
     return {
         "size_mb": size_mb, "state_bytes": nbytes, "num_tensors": len(state),
@@ -143,7 +149,7 @@ def run_benchmark(size_mb: float, repeats: int, directory: Path, *, memory: bool
         # timed rounds (on 2 cores, above ~1 the CPU-heavier variants are slowed the most).
         "loadavg_1min": [round(load_before[0], 2), round(load_after[0], 2)],
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "variants": variants, "ratios": ratios, "targets": targets,
+        "variants": variants, "ratios": ratios, "targets": targets, "chains": chain_details,
         "peak_extra_mem": {v: {"extra_mib": round(m["extra_bytes"] / (1 << 20), 1),
                                "frac": round(m["extra_frac"], 4)} for v, m in mem.items()},
     }

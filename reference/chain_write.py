@@ -1,0 +1,146 @@
+"""Writing a chained checkpoint (chain.py reads, verifies and sweeps them): pieces first, each
+atomic and fsynced, prepared on worker threads and written in order by the calling thread, then
+the pieces directory fsynced, then the manifest, the commit point."""
+from __future__ import annotations
+
+import base64
+import collections
+import dataclasses
+import hashlib
+import io
+import itertools
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import codec
+from .atomic import atomic_write, fsync_dir, remove_stale_temps
+from .chain import (CHECKSUM_KEY, FORMAT, Parent, changed_rows, manifest_checksum, manifest_name, parent_from,
+                    pieces_dir, tensor_sha256)
+from .errors import write_error
+from .integrity import tensor_bytes
+from .schema import check_supported
+from .tree import split_tensors
+
+
+@dataclasses.dataclass
+class SaveResult:
+    """A committed save: its manifest, what a later delta may be taken against, the bytes it wrote
+    (new pieces and the manifest) and the raw bytes of the tensors it lists."""
+
+    path: Path
+    parent: Parent
+    written_bytes: int
+    listed_bytes: int
+
+
+def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str, parent: Parent | None,
+               since_full: int = 0, compression: codec.Compression | None = None,
+               max_workers: int | None = None, metric: float | None = None) -> SaveResult:
+    """Write a checkpoint: pieces first (each atomic and fsynced), the pieces directory fsynced,
+    then the manifest (the commit point). `kind` "full" (parent None) writes every piece; a delta
+    writes what the store lacks and rows against `parent`."""
+    check_supported(payload.get("schema"), os.fspath(directory))
+    if (kind == "full") != (parent is None):
+        raise ValueError("a full checkpoint has no parent; a delta needs one")
+    store = pieces_dir(directory)
+    created = not store.is_dir()
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        if created:
+            fsync_dir(directory)
+    except OSError as exc:
+        raise write_error(store, exc) from exc
+    remove_stale_temps(store)
+    skeleton, tensors = split_tensors(payload)
+    written = [0]
+    # Pieces are prepared (hashed, rows found, encoded) by `prepare`, possibly on worker threads,
+    # and written by the calling thread in order: compression overlaps the writes and fsyncs.
+    Write = tuple[Path, list, int]
+
+    def piece(raw, digest: str, dtype: torch.dtype | None, writes: list[Write]) -> dict[str, Any]:
+        target = store / digest
+        if kind != "full" and target.exists():
+            return {"piece": digest, "bytes": len(raw)}
+        parts, header = codec.encode(raw, dtype=dtype, compression=compression)
+        writes.append((target, parts, header["stored_bytes"]))
+        return {"piece": digest, "bytes": len(raw), "stored": header["stored_bytes"], "codec": header["codec"]}
+
+    def prepare(item: tuple[str, torch.Tensor]) -> tuple[dict[str, Any], list[Write]]:
+        key, t = item
+        t = t.detach().cpu()
+        raw = tensor_bytes(t)
+        digest = hashlib.sha256(raw).hexdigest()
+        entry: dict[str, Any] = {"key": key, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                                 "sha256": digest}
+        writes: list[Write] = []
+        old = parent.rows.get(key) if parent is not None else None
+        if old is not None and old.shape == t.shape and old.dtype == t.dtype and t.numel():
+            changed = changed_rows(old, t)
+            row_bytes = t[0].numel() * t.element_size()
+            if 0 < changed.numel() and changed.numel() * (row_bytes + 8) * 2 < len(raw):
+                values = t[changed].contiguous()
+                entry["rows"] = {"index": piece(tensor_bytes(changed), tensor_sha256(changed), torch.int64, writes),
+                                 "values": piece(tensor_bytes(values), tensor_sha256(values), t.dtype, writes)}
+                entry["bytes"] = len(raw)
+                return entry, writes
+        entry.update(piece(raw, digest, t.dtype, writes))
+        return entry, writes
+
+    def write(writes: list[Write]) -> None:
+        for target, parts, stored in writes:
+            # Named by the hash of its raw bytes, taken already: no second hash while writing.
+            atomic_write(target, lambda sink: [sink.write(p) for p in parts], sync_dir=False, hashing=False)
+            written[0] += len(parts[0]) + stored
+
+    workers = max_workers or min(len(tensors), os.cpu_count() or 1) or 1
+    entries: list[dict[str, Any]] = []
+    try:
+        if workers > 1 and len(tensors) > 1:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                todo = iter(tensors)
+                # A bounded window: encoded pieces wait in memory only a few at a time.
+                window = collections.deque(pool.submit(prepare, item) for item in itertools.islice(todo, 2 * workers))
+                while window:
+                    entry, writes = window.popleft().result()
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        window.append(pool.submit(prepare, nxt))
+                    write(writes)
+                    entries.append(entry)
+        else:
+            for item in tensors:
+                entry, writes = prepare(item)
+                write(writes)
+                entries.append(entry)
+        fsync_dir(store)   # every piece listed (written now or earlier) is durable before the commit
+    except OSError as exc:
+        raise write_error(directory / manifest_name(step), exc) from exc
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "schema": payload["schema"], "step": int(step), "kind": kind,
+        "parent": None if parent is None else {"name": parent.name, "sha256": parent.sha256},
+        "since_full": 0 if parent is None else since_full, "base": manifest_name(step) if parent is None else parent.base,
+        "tensors": entries, "skeleton": skeleton_text(skeleton),
+        "piece_bytes_written": written[0], "wall_saved_at": payload.get("wall_saved_at"),
+    }
+    if metric is not None:
+        manifest["metric"] = float(metric)
+    manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
+    body = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+    path = directory / manifest_name(step)
+    atomic_write(path, lambda sink: sink.write(body))   # the commit point (fsyncs the directory)
+    listed = sum(e["bytes"] for e in entries)
+    return SaveResult(path, parent_from(path, manifest, hashlib.sha256(body).hexdigest(), tensors),
+                      written[0] + len(body), listed)
+
+
+def skeleton_text(skeleton: Any) -> str:
+    """The skeleton, torch.save'd and base64-encoded: small, and part of the manifest (a piece of
+    its own would be named by a hash that changes with every save's wall-clock time)."""
+    buf = io.BytesIO()
+    torch.save(skeleton, buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
