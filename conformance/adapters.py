@@ -19,6 +19,7 @@ from typing import Any
 BUNDLED = "fixtures.reference_trainer:ADAPTER"
 
 # Capabilities an adapter may declare; a check needing one the adapter lacks is skipped naming it.
+# Besides these, `steps=N` asks for runs of N steps (see TrainerAdapter.total_steps).
 KNOWN_CAPABILITIES = frozenset({"legacy_samples", "preemption_save", "reshard", "sharded", "syscall_crash"})
 
 
@@ -53,6 +54,22 @@ class TrainerAdapter:
     version: str = ""       # the trainer's own version, shown in reports
     pythonpath: tuple[str, ...] = ()   # directories its processes need on PYTHONPATH
     world_size: int = 1     # > 1: launched as that many ranks by torchrun (launch.py)
+
+    @property
+    def total_steps(self) -> int:
+        """How many steps the suite's runs train: TOTAL_STEPS, or more when the adapter asks with
+        a capability `steps=N` (a trainer whose retention or full-checkpoint cadence needs a
+        longer run before it deletes anything, so that crash and power-loss states cover its
+        retention pass)."""
+        from .settings import TOTAL_STEPS
+        asked = [c for c in self.capabilities if c.startswith("steps=")]
+        if not asked:
+            return TOTAL_STEPS
+        text = asked[0][len("steps="):]
+        if len(asked) > 1 or not text.isdigit() or int(text) < TOTAL_STEPS:
+            raise ValueError(f"adapter {self.name!r}: capability {', '.join(sorted(asked))} must be one "
+                             f"'steps=N' with N an integer >= {TOTAL_STEPS} (the suite's shortest run)")
+        return int(text)
 
     def has(self, capability: str) -> bool:
         if capability == "legacy_samples":
@@ -134,10 +151,10 @@ def python_adapter(spec: str, search: tuple[str, ...] = ()) -> TrainerAdapter:
         raise AdapterError(f"adapter {spec!r} is neither a TrainerAdapter nor an object with run(ctx)",
                            "give it a run(ctx) method (see the README's adapter example)")
     caps = frozenset(getattr(obj, "capabilities", frozenset({"syscall_crash"})))
-    unknown = caps - KNOWN_CAPABILITIES
+    unknown = {c for c in caps - KNOWN_CAPABILITIES if not c.startswith("steps=")}
     if unknown:
         raise AdapterError(f"adapter {spec!r} declares unknown capabilities {sorted(unknown)}",
-                           f"use only {sorted(KNOWN_CAPABILITIES)}")
+                           f"use only {sorted(KNOWN_CAPABILITIES)} (and 'steps=N' for a longer run)")
     samples = tuple(getattr(obj, "legacy_samples", ()) or ())
     return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.child", spec),
                           capabilities=caps, legacy_samples=samples, spec=spec,
@@ -165,4 +182,8 @@ def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.P
     found = command_adapter(trainer_cmd) if trainer_cmd else python_adapter(adapter or BUNDLED, import_dirs(rootdir))
     if world_size is not None:
         found = dataclasses.replace(found, world_size=checked_world_size(world_size, "--world-size"))
+    try:
+        found.total_steps
+    except ValueError as exc:
+        raise AdapterError(str(exc), "declare one capability like 'steps=30' (or none: 14 steps)") from None
     return found

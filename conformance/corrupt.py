@@ -140,20 +140,32 @@ def bitflip(path: Path) -> str:
     """Flip the top exponent bit of the first element of every floating-point tensor in the file
     (byte 1 of a float16/bfloat16, 3 of a float32, 7 of a float64, little-endian): each such
     weight becomes huge or tiny, which no silent load can hide from the loss curve (a single flip
-    could land in state the curve never reads, such as an RNG seed field)."""
+    could land in state the curve never reads, such as an RNG seed field). In a file of another
+    format, bit 6 of the 8 bytes in its middle."""
     located = _zip_tensor_offsets(path)
     if not located:
         one = _safetensors_offset(path)
         located = [one] if one else []
-    offsets = [offset + width - 1 for offset, width in located] or [path.stat().st_size // 2]
-    where = f"{len(located)} floating-point tensor record(s)" if located else "middle of file"
+    if located:
+        offsets = [offset + width - 1 for offset, width in located]
+        where = f"{len(located)} floating-point tensor record(s)"
+    else:
+        # A format this module cannot read: bit 6 of 8 consecutive bytes in the middle. If they
+        # lie in an array of float16/bfloat16/float32/float64, whatever its alignment, one of
+        # them is the top byte of an element, so its exponent's top bit flips too (one flipped
+        # byte could land in a mantissa's low bits and change nothing a curve shows).
+        middle = path.stat().st_size // 2
+        offsets = list(range(max(0, middle - 4), min(path.stat().st_size, middle + 4)))
+        where = f"{len(offsets)} consecutive bytes in the middle"
     with open(path, "r+b") as f:
         for offset in offsets:
             f.seek(offset)
             byte = f.read(1)[0]
             f.seek(offset)
             f.write(bytes([byte ^ 0x40]))
-    return f"flipped the top exponent bit of the first element in {where} of {path.name}"
+    if located:
+        return f"flipped the top exponent bit of the first element in {where} of {path.name}"
+    return f"flipped bit 6 of {where} of {path.name}"
 
 
 def delete(path: Path) -> str:

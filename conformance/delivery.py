@@ -285,8 +285,9 @@ def count_ambiguous(kill: PlannedKill, view: recording.RecordedRun) -> bool:
 
 
 class PathDelivery:
-    """How a job's fault at an `fs` point goes in: by path (strace -P, see path_delivery) while
-    that is possible and has not missed, else by count. Kills and injected faults share it. A
+    """How a job's fault at an `fs` point goes in (or one in a process with several threads
+    calling: `job` then too): by path (strace -P, see path_delivery) while that is possible and
+    has not missed, else by count. Kills and injected faults share it. A
     point that can go by count only, where another thread reaches the same count, is not
     deliverable (CrashPointMissing: another point is drawn)."""
 

@@ -91,12 +91,16 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     data = went_on_until is not None
     error = action.startswith("error=")
     own_view = baseline.rank_view(rank)
-    # In a job, a step point is delivered by path on the rank's loss log, and an fs point on a
+    # A step point whose log write another thread's call may beat to its count (always, in a job)
+    # is delivered by path on the (rank's) loss log; in a job an fs point on a
     # stable path by path on it, as kills are (scenario.run_schedule); a path delivery traces the
     # faulted rank's calls on that path only, so where the directory may have to be rebuilt from
     # what that rank did, a process that went on is faulted again by count, with its data.
-    by_path = baseline.is_job and point.kind == "step" and not data
-    on_path = PathDelivery(kill, own_view, stable, ckpt, job=baseline.is_job)
+    # A signal or an error, unlike a kill, lets the process go on: by count it would also hit any
+    # other thread that reaches the same count later (strace counts per thread).
+    threaded = own_view.threaded
+    by_path = point.kind == "step" and (threaded or not own_view.step_by_count(point.index + 1)) and not data
+    on_path = PathDelivery(kill, own_view, stable, ckpt, job=baseline.is_job or threaded)
     rank_log_path = str(rank_log(log, rank, spec.world_size))
 
     def argv_for(f: Path, k: PlannedKill) -> list[str]:

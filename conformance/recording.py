@@ -103,6 +103,11 @@ class RecordedRun:
     def is_job(self) -> bool:
         return bool(self.ranks)
 
+    @property
+    def threaded(self) -> bool:
+        """Several threads made the recorded calls (strace counts per thread: faults go by path)."""
+        return len({op.tid for op in self.ops} | {sc.tid for sc in self.step_logs.values()}) > 1
+
     def rank_view(self, rank: int) -> "RecordedRun":
         """Rank `rank`'s own run (a single process is its own rank 0)."""
         if not self.ranks:
@@ -190,14 +195,9 @@ class RecordedRun:
         """The operation the suite injected an error into, if any."""
         return next((op for op in self.ops if op.error), None)
 
-    def step_targetable(self, step: int) -> bool:
-        """Whether a kill can be delivered exactly as step `step` is logged. A job's rank is
-        killed by path (strace -P on its loss log: only those writes count), so any logged step
-        is; a single process by count, so only one whose log write is the first call to reach its
-        count (another thread's writes may get there first)."""
-        if self.spec.is_job:
-            return step in self.step_logs
-        return step in self.step_logs and self._first_to_reach.get(
+    def step_by_count(self, step: int) -> bool:
+        """Step `step`'s log write is the first call to reach its count (a job's ranks: by path)."""
+        return not self.spec.is_job and step in self.step_logs and self._first_to_reach.get(
             (self.step_logs[step].name, self.step_logs[step].nth)) == self.step_logs[step].seq
 
     _first_to_reach: dict = dataclasses.field(default_factory=dict, repr=False)

@@ -39,7 +39,7 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
     who = f"rank {point.on_rank}: " if run.is_job else ""
     if point.kind == "step":
         log = view.step_logs.get(point.index + 1)
-        if log is None or not view.step_targetable(point.index + 1):
+        if log is None or (point.index + 1) not in view.step_logs:
             return None
         before = sum(1 for i in view.mutations if view.ops[i].after_step <= point.index)
         own = view.committed_by_step(point.index)
@@ -116,10 +116,10 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         before = frozenset(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*"))
         snapshot = DirectorySnapshot(ckpt) if own.is_job else None
         own_view = own.rank_view(point.on_rank)
-        by_path = own.is_job and point.kind == "step"
+        by_path = point.kind == "step" and not own_view.step_by_count(point.index + 1)
         # A job's fs kill: by path where the path is the same in every run, else (or once that
         # missed) by count, shifted (see deliver).
-        on_path = PathDelivery(kill, own_view, stable, ckpt, job=own.is_job)
+        on_path = PathDelivery(kill, own_view, stable, ckpt, job=own.is_job or own_view.threaded)
         if by_path:
             # The rank's nth write to its own loss log, whatever else it writes (strace -P).
             nth = log_write_count(own_view, point.index + 1)

@@ -22,7 +22,7 @@ from .checks.registry import case_text
 from .failures import ConformanceFailure
 from .process import RunSpec
 from .scenario import CrashNotLanded, CrashPointMissing
-from .settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK, TOTAL_STEPS
+from .settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK
 
 ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd", "world_size")
 
@@ -71,7 +71,7 @@ class ResumeConformance:
 
 
 def _spec(session: Session, save_every: int = CADENCES[0]) -> RunSpec:
-    return RunSpec(TOTAL_STEPS, save_every, SEED, session.adapter.world_size)
+    return RunSpec(session.adapter.total_steps, save_every, SEED, session.adapter.world_size)
 
 
 def _make_test(check: Check):

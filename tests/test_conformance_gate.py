@@ -29,6 +29,8 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
         pytest.importorskip("safetensors", reason="the commit-marker trainer needs the 'safetensors' extra")
     if adapter.startswith("fixtures.careful_loop"):
         pytest.importorskip("torchdata", reason="the careful loop needs the 'torchdata' extra")
+    if adapter.startswith("fixtures.chain_trainer"):
+        pytest.importorskip("zstandard", reason="the chain trainer compresses: it needs the 'compression' extra")
     # A multi-rank trainer runs under `quick` here: its `ci` run takes 3-5 minutes on 2 cores (~80
     # job deliveries). Its `ci` verdicts are measured by soak runs (docs/running.md, "Delivery").
     profile = "quick" if load_object(adapter).world_size > 1 else "ci"
@@ -63,6 +65,8 @@ def test_save_order_that_varies_is_named_in_both_runs(run_suite):
 @pytest.mark.parametrize("trainer", sorted(CATALOGUE))
 def test_broken_trainer_fails_with_the_intended_check(run_suite, trainer):
     bug, check = CATALOGUE[trainer]
+    if trainer in ("chain_retention_drops_base", "chain_latest_before_write", "compressed_piece_without_length"):
+        pytest.importorskip("zstandard", reason=f"{trainer} compresses: it needs the 'compression' extra")
     verdicts, out = run_suite(f"--adapter=fixtures.broken.{trainer}:ADAPTER",
                               "--hypothesis-profile=quick", "-k", f"test_{check} or test_determinism_precondition")
     if check != "determinism_precondition":

@@ -113,7 +113,19 @@ def test_bitflip_falls_back_to_the_middle_of_unknown_files(tmp_path):
     path = tmp_path / "blob"
     path.write_bytes(bytes(100))
     assert "middle" in bitflip(path)
-    assert path.read_bytes()[50] == 0x40
+    assert path.read_bytes()[46:54] == bytes([0x40] * 8) and path.read_bytes().count(0) == 92
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("header", [0, 1, 3, 7, 13])
+def test_bitflip_in_an_unknown_format_hits_an_exponent_whatever_the_alignment(tmp_path, dtype, header):
+    """A raw float array behind a header of any length: one element becomes huge or tiny."""
+    values = torch.full((64,), 0.5, dtype=dtype)
+    path = tmp_path / "piece"
+    path.write_bytes(b"h" * header + values.view(torch.uint8).numpy().tobytes())
+    bitflip(path)
+    flipped = torch.frombuffer(bytearray(path.read_bytes()[header:]), dtype=dtype).float()
+    assert ((flipped.abs() > 1e4) | (flipped.abs() < 1e-4)).any(), flipped
 
 
 def test_truncate_and_delete(tmp_path):
@@ -148,3 +160,14 @@ def test_replay_command_of_a_multi_rank_trainer_parses_back():
     cmd = replay_command(adapter, "no_lost_work[inside_save]", RunSpec(14, 3, 0), {"schedule": "fs:0@r1"})
     args = build_parser().parse_args(shlex.split(cmd)[3:])
     assert (args.world_size, args.check, args.schedule) == ("2", "no_lost_work[inside_save]", "fs:0@r1")
+
+
+def test_an_adapter_may_ask_for_a_longer_run():
+    from conformance.adapters import TrainerAdapter
+    from conformance.settings import TOTAL_STEPS
+    plain = TrainerAdapter(name="t", argv=("x",))
+    assert plain.total_steps == TOTAL_STEPS
+    assert TrainerAdapter(name="t", argv=("x",), capabilities=frozenset({"syscall_crash", "steps=30"})).total_steps == 30
+    for bad in ({"steps=3"}, {"steps=x"}, {"steps=20", "steps=30"}):
+        with pytest.raises(ValueError, match="must be one 'steps=N' with N an integer >= 14"):
+            TrainerAdapter(name="t", argv=("x",), capabilities=frozenset(bad)).total_steps

@@ -153,7 +153,7 @@ def test_every_documented_command_runs(workspace, page, command):
 
 def test_the_docs_have_commands_and_the_readme_is_short():
     assert len(commands()) >= 10
-    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+    assert len((REPO / "README.md").read_text().splitlines()) <= 220
 
 
 def test_the_broken_trainer_table_is_the_catalogue():

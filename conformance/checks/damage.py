@@ -1,51 +1,135 @@
-"""corruption_detected: the newest checkpoint is damaged the ways storage damages files; the
-trainer must notice (fall back, or exit non-zero with a message), never resume silently wrong."""
+"""corruption_detected: each file a resume from the newest checkpoint reads is damaged, one file
+per resume, the ways storage damages files; the trainer must notice (fall back, or exit non-zero
+with a message), never resume silently wrong.
+
+Every file, not only the largest: a flip that lands in RNG bytes says nothing about the weights
+next to them, and a chained checkpoint reads its base's pieces too. The resumes are independent
+and run several at once, like crash states: one process per file and damage kind.
+"""
 from __future__ import annotations
+
+import dataclasses
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from .. import evidence
 from ..corrupt import corrupt
 from ..failures import format_mismatches, loss_mismatches, max_abs_diff
-from ..process import RunSpec
+from ..process import ProcessResult, RunSpec
 from .common import copy_prefix, plot_mismatch
 from .session import Session
+from .states import STATE_WORKERS
 
 
-def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, _case=None) -> None:
-    """Damage (truncate, bitflip, delete) the largest file of the newest checkpoint that a resume
-    reads; the trainer falls back to an intact checkpoint or exits non-zero with a message."""
-    d, files, stop = copy_prefix(session, spec, f"corrupt-{kind}", check)
+@dataclasses.dataclass(frozen=True)
+class Damage:
+    """One damaged file and how the trainer took it."""
+
+    file: str                 # relative to the checkpoint directory
+    what: str
+    result: ProcessResult
+    problem: str | None
+    details: str = ""
+
+
+def damage_targets(session: Session, spec: RunSpec, newest_files: list[Path], ckpt: Path) -> list[str]:
+    """The files (relative paths) to damage: every file under the checkpoint directory that a
+    resume from the newest checkpoint reads, largest first; the newest save's own files if the
+    resume's reads are unknown."""
     read = session.files_read_on_resume(spec)
-    ckpt = (d / "ckpt").resolve()
-    candidates = [f for f in files if f.relative_to(ckpt).as_posix() in read] or files
-    target = max(candidates, key=lambda p: p.stat().st_size)
-    what = corrupt(kind, target)
-    result = session.runner.run_process(session.adapter, spec, ckpt, (d / "loss.jsonl").resolve())
-    base = session.baseline(spec)
+    found = [p for p in sorted(read) if (ckpt / p).is_file() and not (ckpt / p).is_symlink()]
+    if not found:
+        found = [f.relative_to(ckpt).as_posix() for f in newest_files]
+    return sorted(found, key=lambda p: (-(ckpt / p).stat().st_size, p))
+
+
+def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, only: str | None = None) -> int:
+    """Damage (truncate, bitflip, delete) each file a resume from the newest checkpoint reads, one
+    per resume; for each, the trainer falls back to an intact checkpoint or exits non-zero with a
+    message. Returns the number of files damaged."""
+    prefix, stop = session.prefix(spec)
     previous = stop - spec.save_every
-    details = f"  corruption: {what} (newest checkpoint: step {stop})"
-    r = result.resumed_from(spec)
-    evidence.record(evidence.Corruption(corruption=kind, file=target.name, what=what, newest_step=stop,
-                                        exit_code=result.returncode, resumed_from=r,
-                                        max_abs_diff=max_abs_diff(base.losses, result.losses)))
+    d0, newest, _ = copy_prefix(session, spec, f"corrupt-{kind}-list", check)
+    targets = damage_targets(session, spec, newest, (d0 / "ckpt").resolve())
+    shutil.rmtree(d0, ignore_errors=True)
+    if only is not None:
+        if only not in targets:
+            raise ValueError(f"a resume from step {stop} reads no file {only!r}; it reads: {', '.join(targets)}")
+        targets = [only]
+    shared = read_by_previous(session, spec, previous, prefix.ckpt_dir)
+
+    def one(rel: str) -> Damage:
+        d, _, _ = copy_prefix(session, spec, f"corrupt-{kind}", check)
+        ckpt = (d / "ckpt").resolve()
+        what = corrupt(kind, ckpt / rel)
+        result = session.runner.run_process(session.adapter, spec, ckpt, (d / "loss.jsonl").resolve())
+        problem, details = judge(session, spec, result, stop, previous, rel in shared)
+        if problem is None:
+            shutil.rmtree(d, ignore_errors=True)
+        return Damage(rel, what, result, problem, details)
+
+    with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
+        outcomes = list(pool.map(one, targets))
+    base = session.baseline(spec)
+    for o in outcomes:
+        evidence.record(evidence.Corruption(corruption=kind, file=o.file, what=o.what, newest_step=stop,
+                                            exit_code=o.result.returncode, resumed_from=o.result.resumed_from(spec),
+                                            max_abs_diff=max_abs_diff(base.losses, o.result.losses)))
+    failures = [o for o in outcomes if o.problem]
+    if failures:
+        first = failures[0]
+        others = "".join(f"\n    {o.what}: {o.problem}" for o in failures[1:6])
+        plot = ""
+        if first.result.returncode == 0 and loss_mismatches(base.losses, first.result.losses, session.tol):
+            plot = "\n" + plot_mismatch(session, check, spec, extra=kind,
+                                        resumed=[(f"resumed after {kind} of {Path(first.file).name}",
+                                                  first.result.losses)],
+                                        resumes=[first.result.resumed_from(spec)])
+        raise session.fail(check, spec, first.problem,
+                           details=f"  corruption: {first.what} (newest checkpoint: step {stop}; "
+                                   f"{len(failures)} of {len(targets)} damaged files went wrong)"
+                                   + first.details + plot
+                                   + (f"\n  other damaged files that went wrong:{others}" if others else ""),
+                           case={"file": first.file})
+    return len(targets)
+
+
+def read_by_previous(session: Session, spec: RunSpec, previous: int, newest_dir: Path) -> frozenset[str]:
+    """Files that a resume from the previous save reads too, with the same bytes (a chained
+    checkpoint's shared base): damaging one may make that save unusable as well, and falling back
+    further is then right. A file under the same name with other bytes (Lightning's `last.ckpt`)
+    is not shared."""
+    if previous < 2 * spec.save_every:
+        return frozenset()
+    earlier_dir = session.prefix(spec, previous)[0].ckpt_dir
+    same = set()
+    for rel in session.files_read_on_resume(spec, previous):
+        a, b = earlier_dir / rel, newest_dir / rel
+        if a.is_file() and b.is_file() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes():
+            same.add(rel)
+    return frozenset(same)
+
+
+def judge(session: Session, spec: RunSpec, result: ProcessResult, stop: int, previous: int,
+          previous_needs_it: bool) -> tuple[str | None, str]:
+    """(what went wrong or None, details) for a resume after one file was damaged."""
     if result.returncode != 0:
         if not result.stderr.strip():
-            raise session.fail(check, spec, f"after corruption the trainer exited {result.returncode} without "
-                               "a message on stderr", details=details)
-        return
+            return f"after corruption the trainer exited {result.returncode} without a message on stderr", ""
+        return None, ""
+    base = session.baseline(spec)
+    r = result.resumed_from(spec)
     rows = loss_mismatches(base.losses, result.losses, session.tol)
     if rows and r > 0 and session.same_as_plain_resume(spec, r, result.losses):
         # The trainer resumed from step r exactly as from an undamaged checkpoint: the damage changed
         # nothing it used. (Its divergence is a resume_matches_baseline problem.)
-        evidence.record(evidence.Note(f"same curve as a plain resume from step {r}: the damage changed "
-                                      "nothing the run used"))
         rows = []
     if rows:
-        plot = plot_mismatch(session, check, spec, extra=kind,
-                             resumed=[(f"resumed after {kind} of {target.name}", result.losses)], resumes=[r])
-        raise session.fail(check, spec, f"the trainer loaded a corrupted checkpoint without noticing (resumed "
-                           f"from step {r}, exit 0) and its loss curve diverges",
-                           details=details + "\n  first differing steps:\n" + format_mismatches(rows) + "\n" + plot)
-    if r < previous:
+        return (f"the trainer loaded a corrupted checkpoint without noticing (resumed from step {r}, exit 0) "
+                "and its loss curve diverges", "\n  first differing steps:\n" + format_mismatches(rows))
+    if r < previous and not previous_needs_it:
         what_r = "from scratch" if r == 0 else f"from step {r}"
-        raise session.fail(check, spec, f"after corruption the trainer resumed {what_r} instead of falling back "
-                           f"to the newest intact checkpoint (step {previous})", details=details)
+        return (f"after corruption the trainer resumed {what_r} instead of falling back to the newest intact "
+                f"checkpoint (step {previous})", "")
+    return None, ""

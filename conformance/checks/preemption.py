@@ -8,7 +8,8 @@ then a fresh start.
 - Exiting 0 on SIGTERM before TOTAL_STEPS is a failure: Kubernetes marks such a Job Completed and
   never restarts the training.
 - With capability `preemption_save` (the trainer says it saves on SIGTERM): it exits within the
-  grace period, and the next start resumes from the last step it logged, losing nothing.
+  grace period, and the next start resumes from the last step it logged, losing nothing (unless
+  the SIGTERM came during the last step and the trainer finished the run: then it has completed).
 """
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def preemption(session: Session, check: str, spec: RunSpec, _param, point: Crash
     if r < kill.newest_committed:
         raise fail(f"after the SIGTERM the next start resumed {'from scratch' if r == 0 else f'from step {r}'}, "
                    f"older than the checkpoint of step {kill.newest_committed} committed before it")
-    if saves_on_term and r != last:
+    # A trainer that got SIGTERM during its last step and finished the run (exit 0 at total_steps)
+    # has completed: no scheduler restarts it, and a final checkpoint is not required.
+    completed = first.returncode == 0 and last >= spec.total_steps
+    if saves_on_term and r != last and not completed:
         raise fail(f"the trainer declares 'preemption_save': it had logged step {last} when it exited, but the next "
                    f"start resumed from step {r}" + (" (a second save started inside the first, or left it torn?)"
                                                      if kill.in_progress else ""))

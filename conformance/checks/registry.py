@@ -64,6 +64,7 @@ class Check:
 
 _SCHEDULE = CaseOption("schedule", "crash schedule, e.g. fs:9,step:4", parse_schedule, required=True)
 _STATE = CaseOption("state", "one state, by label (e.g. 37, or 37t for a torn write)")
+_FILE = CaseOption("file", "one damaged file, relative to the checkpoint directory (e.g. pieces/3f2a...)")
 _POINT = CaseOption("point", "one fault point, e.g. fs:9 or step:4", CrashPoint.parse, required=True)
 
 
@@ -139,10 +140,11 @@ CHECKS: tuple[Check, ...] = (
           "conformance/checks/ranks.py", ranks.reshard, params=("shrink", "grow"),
           needs=("trace", "multirank", "reshard")),
     Check("corruption_detected",
-          "the largest file of the newest checkpoint that a resume reads is truncated, bit-flipped (top "
-          "exponent bit of every float tensor's first element) or deleted: the trainer falls back to an "
-          "intact checkpoint and matches, or exits non-zero with a message, never exit 0 on a diverging curve",
-          "conformance/checks/damage.py", damage.corruption_detected, params=KINDS, needs=("trace",)),
+          "each file a resume from the newest checkpoint reads (a chained checkpoint's base pieces too), one "
+          "per resume, is truncated, bit-flipped (top exponent bit of every float tensor's first element) or "
+          "deleted: the trainer falls back to an intact checkpoint and matches, or exits non-zero with a "
+          "message, never exit 0 on a diverging curve",
+          "conformance/checks/damage.py", damage.corruption_detected, params=KINDS, needs=("trace",), case=_FILE),
     Check("untrusted_checkpoint",
           "each file of the newest checkpoint in turn is replaced by a pickle that runs code when loaded; "
           "that code must never run",

@@ -180,25 +180,31 @@ class Session:
             divergence=lined_up.divergence.describe("run 1", "run 2") if lined_up.divergence else "")
         return Determinism(losses, operations, lined_up, numbers)
 
-    def prefix(self, spec: RunSpec) -> tuple[RecordedRun, int]:
-        """A traced run stopped at the last save before total_steps, keeping an older save."""
-        def compute():
+    def prefix(self, spec: RunSpec, stop: int | None = None) -> tuple[RecordedRun, int]:
+        """A traced run stopped at the last save before total_steps (or at `stop`, a save step),
+        keeping an older save."""
+        if stop is None:
             stop = spec.save_every * ((spec.total_steps - 1) // spec.save_every)
-            if stop < 2 * spec.save_every:
-                raise ValueError(f"total_steps={spec.total_steps} leaves no room for two saves "
-                                 f"before the end with save_every={spec.save_every}")
+        if stop < 2 * spec.save_every:
+            raise ValueError(f"total_steps={spec.total_steps} leaves no room for two saves "
+                             f"before the end with save_every={spec.save_every}")
+
+        def compute():
             short = spec.but(total_steps=stop)
             return traced_run(self.runner, self.adapter, short, self.case_dir("prefix"), tag="prefix"), stop
-        return self._cached(("prefix", spec), compute)
+        return self._cached(("prefix", spec, stop), compute)
 
-    def files_read_on_resume(self, spec: RunSpec) -> frozenset[str]:
+    def files_read_on_resume(self, spec: RunSpec, stop: int | None = None) -> frozenset[str]:
         """Files (relative to the checkpoint directory) a resume from the prefix run's directory
-        opens: damage goes to files a resume reads, not to a copy the trainer never reads."""
+        (see prefix) opens: damage goes to files a resume reads, not to a copy the trainer never
+        reads; and a file that the resume from an older save reads too may make that save
+        unusable as well."""
+        prefix, at = self.prefix(spec, stop)
+
         def compute():
-            prefix, stop = self.prefix(spec)
-            return traced_run(self.runner, self.adapter, spec.but(total_steps=stop + 1),
+            return traced_run(self.runner, self.adapter, spec.but(total_steps=at + 1),
                               self.case_dir("reads"), tag="resume", prepare=prefix.ckpt_dir).reads
-        return self._cached(("reads", spec), compute)
+        return self._cached(("reads", spec, at), compute)
 
     def plain_resume_losses(self, spec: RunSpec, step: int) -> dict[int, float] | None:
         """Losses of a resume from the checkpoint of `step` after a plain kill between steps (no
