@@ -173,10 +173,6 @@ class DistributedCheckpointManager:
         self.pending: _Pending | None = None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._remove_staging()
-        # Once, here: no save of this job runs while a stale staging directory is removed, so a
-        # save needs no barrier before its ranks start writing.
-        self._barrier()
 
     # -- collectives -----------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -266,12 +262,11 @@ class DistributedCheckpointManager:
         return {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
 
     def _prepare(self, staging: Path) -> None:
-        """Every rank creates the staging directory (DCP's writers do too); a stale one from a job
-        that died mid-save was removed when this manager started."""
-        try:
-            staging.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise write_error(staging, exc) from exc
+        if self.rank == 0:
+            if staging.exists():
+                shutil.rmtree(staging)     # left by a job that died mid-save
+            staging.mkdir(parents=True)
+        self._barrier()
 
     def _remove_staging(self, older_than: int | None = None) -> list[Path]:
         """Rank 0: remove staging directories (of steps before `older_than`, or all)."""

@@ -52,12 +52,13 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
     previous = stop - spec.save_every
     d0, newest, _ = copy_prefix(session, spec, f"corrupt-{kind}-list", check)
     targets = damage_targets(session, spec, newest, (d0 / "ckpt").resolve())
+    newest_rel = {f.relative_to((d0 / "ckpt").resolve()).as_posix() for f in newest}
     shutil.rmtree(d0, ignore_errors=True)
     if only is not None:
         if only not in targets:
             raise ValueError(f"a resume from step {stop} reads no file {only!r}; it reads: {', '.join(targets)}")
         targets = [only]
-    shared = read_by_previous(session, spec, previous, prefix.ckpt_dir)
+    shared = read_by_previous(session, spec, previous, newest_rel)
 
     def one(rel: str) -> Damage:
         d, _, _ = copy_prefix(session, spec, f"corrupt-{kind}", check)
@@ -95,20 +96,14 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
     return len(targets)
 
 
-def read_by_previous(session: Session, spec: RunSpec, previous: int, newest_dir: Path) -> frozenset[str]:
-    """Files that a resume from the previous save reads too, with the same bytes (a chained
-    checkpoint's shared base): damaging one may make that save unusable as well, and falling back
-    further is then right. A file under the same name with other bytes (Lightning's `last.ckpt`)
-    is not shared."""
+def read_by_previous(session: Session, spec: RunSpec, previous: int, newest: set[str]) -> frozenset[str]:
+    """Files a resume from the previous save reads too, and that the newest save did not write (a
+    chained checkpoint's base, an older manifest): damaging one may make that save unusable as
+    well, and falling back further is then right. A file the newest save rewrote under the same
+    name (Lightning's `last.ckpt`) is not the previous save's."""
     if previous < 2 * spec.save_every:
         return frozenset()
-    earlier_dir = session.prefix(spec, previous)[0].ckpt_dir
-    same = set()
-    for rel in session.files_read_on_resume(spec, previous):
-        a, b = earlier_dir / rel, newest_dir / rel
-        if a.is_file() and b.is_file() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes():
-            same.add(rel)
-    return frozenset(same)
+    return frozenset(session.files_read_on_resume(spec, previous) - newest)
 
 
 def judge(session: Session, spec: RunSpec, result: ProcessResult, stop: int, previous: int,
