@@ -40,10 +40,12 @@ class SaveResult:
 
 def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str, parent: Parent | None,
                since_full: int = 0, compression: codec.Compression | None = None,
-               max_workers: int | None = None, metric: float | None = None) -> SaveResult:
+               max_workers: int | None = None, metric: float | None = None,
+               keep_rows: bool = True) -> SaveResult:
     """Write a checkpoint: pieces first (each atomic and fsynced), the pieces directory fsynced,
     then the manifest (the commit point). `kind` "full" (parent None) writes every piece; a delta
-    writes what the store lacks and rows against `parent`."""
+    writes what the store lacks and rows against `parent`. `keep_rows`: keep CPU copies of the
+    tensors a later delta could take rows against (not needed when none will be taken)."""
     check_supported(payload.get("schema"), os.fspath(directory))
     if (kind == "full") != (parent is None):
         raise ValueError("a full checkpoint has no parent; a delta needs one")
@@ -134,7 +136,7 @@ def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str
     path = directory / manifest_name(step)
     atomic_write(path, lambda sink: sink.write(body))   # the commit point (fsyncs the directory)
     listed = sum(e["bytes"] for e in entries)
-    return SaveResult(path, parent_from(path, manifest, hashlib.sha256(body).hexdigest(), tensors),
+    return SaveResult(path, parent_from(path, manifest, hashlib.sha256(body).hexdigest(), tensors if keep_rows else []),
                       written[0] + len(body), listed)
 
 

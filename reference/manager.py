@@ -244,7 +244,11 @@ class CheckpointManager:
         kind, parent = self.next_kind()
         result = chain_write.save_chain(payload, self.directory, step, kind=kind, parent=parent,
                                   since_full=0 if parent is None else self._last.since_full + 1,
-                                  compression=self.compression, max_workers=self.max_workers, metric=metric)
+                                  compression=self.compression, max_workers=self.max_workers, metric=metric,
+                                  # Rows are taken against the previous checkpoint (incremental) or
+                                  # the last full one (differential); never for strategy "full".
+                                  keep_rows=self.strategy == "incremental"
+                                  or (self.strategy == "differential" and kind == "full"))
         self._last = result.parent
         if kind == "full":
             self._base = result.parent
