@@ -15,7 +15,11 @@ from .codec import Compression
 from .data_order import ResumableBatchSampler
 from .errors import (CheckpointError, CheckpointWriteError, CorruptCheckpointError, IncompleteCheckpointError,
                      InvalidIndexError, RNGRestoreError, SchemaError, UnsafeCheckpointError)
+from .coldfs import ColdStorageError
+from .lineage import NoSuchCheckpointError
 from .preemption import PreemptionGuard
+from .tiers import ColdTierError
+from .triggers import TriggerStateError, any_of, every_seconds, every_steps, forced_only, hybrid, on_metric
 from .manager import (CheckpointInfo, CheckpointManager, CheckpointSkippedWarning, latest_valid,
                       list_checkpoints, load, verify)
 from .rng import capture_rng, restore_rng
@@ -27,7 +31,8 @@ from .state import TrainState, capture
 __version__ = "0.1.0"
 
 __all__ = [
-    "BrokenChainError", "CURRENT_SCHEMA", "CURRENT_VERSION", "CheckpointError", "Compression", "CheckpointInfo", "CheckpointManager",
+    "BrokenChainError", "ColdStorageError", "ColdTierError", "NoSuchCheckpointError", "TriggerStateError",
+    "any_of", "every_seconds", "every_steps", "forced_only", "hybrid", "on_metric", "CURRENT_SCHEMA", "CURRENT_VERSION", "CheckpointError", "Compression", "CheckpointInfo", "CheckpointManager",
     "CheckpointWriteError", "PreemptionGuard",
     "CheckpointSkippedWarning", "CorruptCheckpointError", "IncompleteCheckpointError",
     "InvalidIndexError", "RNGRestoreError", "ResumableBatchSampler", "SchemaError", "TrainState",

@@ -2,13 +2,14 @@
 
     python -m reference fsck DIR     verify every checkpoint in DIR (exit 0/1/2/3, see --help)
     python -m reference fsck --gc DIR   list orphan pieces of chained checkpoints (--no-dry-run removes)
+    python -m reference log DIR      the checkpoints as a lineage DAG (--format dot, --cold URL)
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import fsck
+from . import fsck, log
 
 
 def parser() -> argparse.ArgumentParser:
@@ -16,6 +17,7 @@ def parser() -> argparse.ArgumentParser:
                                   description="Tools for checkpoint directories written by the reference library.")
     sub = top.add_subparsers(dest="command", metavar="COMMAND")
     fsck.add_parser(sub)
+    log.add_parser(sub)
     return top
 
 

@@ -123,6 +123,8 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], str]:
     for key, typ in (("step", int), ("since_full", int), ("tensors", list), ("skeleton", str)):
         if not isinstance(manifest.get(key), typ) or isinstance(manifest.get(key), bool):
             raise _bad(path, f"key {key!r} must be {typ.__name__}")
+    if not isinstance(manifest.get("meta", {}), dict):
+        raise _bad(path, "meta must be an object")
     if manifest.get("kind") not in STRATEGIES:
         raise _bad(path, f"kind must be one of {STRATEGIES}, got {manifest.get('kind')!r}")
     parent = manifest.get("parent")

@@ -41,7 +41,7 @@ class SaveResult:
 def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str, parent: Parent | None,
                since_full: int = 0, compression: codec.Compression | None = None,
                max_workers: int | None = None, metric: float | None = None,
-               keep_rows: bool = True) -> SaveResult:
+               keep_rows: bool = True, meta: dict[str, Any] | None = None) -> SaveResult:
     """Write a checkpoint: pieces first (each atomic and fsynced), the pieces directory fsynced,
     then the manifest (the commit point). `kind` "full" (parent None) writes every piece; a delta
     writes what the store lacks and rows against `parent`. `keep_rows`: keep CPU copies of the
@@ -131,6 +131,8 @@ def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str
     }
     if metric is not None:
         manifest["metric"] = float(metric)
+    if meta is not None:          # lineage and why it was saved, readable without loading
+        manifest["meta"] = meta
     manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
     body = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
     path = directory / manifest_name(step)

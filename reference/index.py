@@ -107,6 +107,8 @@ def validate_index(index: Any, directory: Path) -> dict[str, Any]:
     if "metric" in index:
         _require(_real_number(index["metric"]), directory,
                  f"metric must be a number, got {index['metric']!r}")
+    _require(not isinstance(index.get("meta", {}), bool) and isinstance(index.get("meta", {}), dict), directory,
+             f"meta must be an object, got {index.get('meta')!r}"[:200])
     root = os.path.realpath(directory)
     for name in seen_names:
         real = os.path.realpath(directory / name)

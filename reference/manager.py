@@ -1,119 +1,74 @@
-"""CheckpointManager: step-named checkpoints, cadence, retention and verified `latest()`.
+"""CheckpointManager: step-named checkpoints, save triggers, retention, lineage, a cold tier, and
+a verified `load_latest()`.
 
-Ordering is by the step number parsed from the name, never by string. Retention runs only after
-the new checkpoint is committed and never deletes the newest valid checkpoint, nor anything a kept
-checkpoint's chain needs. Layouts: one file (`step-N.pt`), a sharded directory (`step-N/`), or a
-chained checkpoint (`step-N.chain.json` over a shared piece store; chain.py) that can be full,
-incremental or differential, and compressed. `save(..., blocking=False)` persists a CPU copy in
-a background thread.
+Retention runs only after the new checkpoint is committed and never deletes the newest valid
+checkpoint, the best one, a branch point, nor anything a kept checkpoint's chain needs. Layouts:
+one file (`step-N.pt`), a sharded directory (`step-N/`), or a chained checkpoint
+(`step-N.chain.json` over a shared piece store; chain.py) that can be full, incremental or
+differential, and compressed. `save(..., blocking=False)` persists a CPU copy in a background
+thread. With `cold=URL`, committed checkpoints are uploaded in the background and all but the
+newest `keep_hot` leave the local disk once their upload is verified (tiering.py). Every
+checkpoint records its lineage (lineage.py); `load(resume_from=step)` starts a new branch.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import math
 import os
-import re
-import shutil
 import time
 import warnings
-from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
-from . import chain, chain_write, tree
-from .atomic import fsync_dir, is_temp_name, remove_stale_temps
+from . import chain, chain_write, lineage, tiering, tree, triggers
+from .atomic import fsync_dir, remove_stale_temps
+from .catalog import (CheckpointInfo, CheckpointSkippedWarning, check_committed, latest_valid, list_checkpoints,
+                      load, read_meta, remove_checkpoint, verify)
 from .codec import Compression
 from .errors import CheckpointError, write_error
-from .index import INDEX_NAME
-from .index import read_index
-from .sharded import GroupBy, check_sizes, load_sharded, save_sharded, verify_sharded
-from .single_file import load_file, save_file
+from .retention import keep_set
+from .sharded import GroupBy, save_sharded
+from .single_file import save_file
+from .tiers import ColdTier
 
-_NAME_RE = re.compile(r"^step-(?P<step>[0-9]+)(?P<ext>\.pt|\.chain\.json)?$")
-
-
-class CheckpointSkippedWarning(UserWarning):
-    """A checkpoint was passed over because it failed verification."""
+__all__ = ["CheckpointInfo", "CheckpointManager", "CheckpointSkippedWarning", "latest_valid", "list_checkpoints",
+           "load", "verify"]
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    step: int
-    path: Path
-
-    @property
-    def layout(self) -> str:
-        if self.path.name.endswith(chain.SUFFIX):
-            return "chain"
-        return "file" if self.path.suffix == ".pt" else "sharded"
+def _cadence(every_steps: int | None, every_seconds: float | None, clock: Callable[[], float]) -> triggers.Trigger:
+    """every_steps and/or every_seconds, whichever comes first (neither: forced saves only)."""
+    parts = ([triggers.every_steps(every_steps)] if every_steps else []) \
+        + ([triggers.every_seconds(every_seconds, clock=clock)] if every_seconds else [])
+    return parts[0] if len(parts) == 1 else triggers.any_of(*parts)
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
-    """Every step-named entry (committed or not), oldest first by step number."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in os.scandir(directory):
-        m = _NAME_RE.match(entry.name)
-        if m is None or is_temp_name(entry.name):
-            continue
-        is_dir = entry.is_dir(follow_symlinks=False)
-        if (m.group("ext") is None) != is_dir:
-            continue
-        found.append(CheckpointInfo(int(m.group("step")), Path(entry.path)))
-    return sorted(found, key=lambda c: (c.step, c.path.name))
-
-
-def verify(info_or_path: CheckpointInfo | str | os.PathLike) -> None:
-    """Raise a CheckpointError if the checkpoint is not complete and intact."""
-    path = info_or_path.path if isinstance(info_or_path, CheckpointInfo) else Path(info_or_path)
-    if path.is_dir():
-        verify_sharded(path)
-    elif path.name.endswith(chain.SUFFIX):
-        chain.load_chain(path, map_location="cpu", migrate_schema=False)
-    else:
-        load_file(path, map_location="cpu")
-
-
-def load(path: str | os.PathLike, map_location=None) -> dict[str, Any]:
-    """Load (verified, migrated) a checkpoint of either layout."""
-    path = Path(path)
-    if path.is_dir():
-        return load_sharded(path, map_location)
-    if path.name.endswith(chain.SUFFIX):
-        return chain.load_chain(path, map_location)
-    return load_file(path, map_location)
-
-
-def latest_valid(directory: str | os.PathLike) -> CheckpointInfo | None:
-    """Newest checkpoint that verifies; each one skipped is named in a warning."""
-    for info in reversed(list_checkpoints(directory)):
-        try:
-            verify(info)
-        except CheckpointError as exc:
-            warnings.warn(f"skipping checkpoint {info.path}: {exc}", CheckpointSkippedWarning, stacklevel=2)
-            continue
-        return info
-    return None
+class TriggerChangedWarning(UserWarning):
+    """The loaded checkpoint was saved under another trigger configuration."""
 
 
 class CheckpointManager:
-    """Save on a cadence (every N steps or T seconds, whichever first), keep the last K (and the
-    best K by a metric), and find the newest valid checkpoint.
+    """Save when a trigger says so (every N steps, every T seconds, when a metric improves, or
+    a hybrid), keep the last K (the best K by a metric, and the one the metric trigger marked
+    best), and find the newest valid checkpoint, in either tier.
 
     `strategy` ("full", "incremental" or "differential") or `compression` (a zstd level, or a
     codec.Compression) selects the chained layout: incremental saves what changed since the
     previous checkpoint, differential what changed since the last full one, and every
-    `full_every`-th checkpoint is full, which bounds the chain a restore reads."""
+    `full_every`-th checkpoint is full, which bounds the chain a restore reads.
+
+    `cold` (any fsspec URL: s3://bucket/prefix, file:///path, ...) adds a cold tier; `keep_hot`
+    checkpoints stay on local disk. `cold_timeout_s` bounds every call to the store."""
 
     def __init__(self, directory: str | os.PathLike, *, every_steps: int | None = None,
                  every_seconds: float | None = None, keep_last: int | None = None,
                  keep_best: int | None = None, best_mode: str = "min", layout: str | None = None,
                  num_shards: int = 2, group_by: GroupBy | str | None = None,
                  max_workers: int | None = None, strategy: str | None = None, full_every: int = 10,
-                 compression: int | Compression | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 compression: int | Compression | None = None, trigger: triggers.Trigger | None = None,
+                 cold: str | None = None, keep_hot: int = 1, cold_timeout_s: float = 10.0,
+                 storage_options: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.time):
         if strategy is not None and strategy not in chain.STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(map(repr, chain.STRATEGIES))}")
         if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
@@ -131,9 +86,11 @@ class CheckpointManager:
             raise ValueError("keep_last must be >= 1: retention never leaves zero checkpoints")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        self.directory = Path(directory)
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
+        if isinstance(keep_hot, bool) or not isinstance(keep_hot, int) or keep_hot < 1:
+            raise ValueError(f"keep_hot must be an integer >= 1 (checkpoints kept on local disk), got {keep_hot!r}")
+        if trigger is not None and (every_steps is not None or every_seconds is not None):
+            raise ValueError("give either trigger= or every_steps/every_seconds, not both")
+        self.run_dir = Path(directory)
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.best_mode = best_mode
@@ -141,26 +98,40 @@ class CheckpointManager:
         self.num_shards = num_shards
         self.group_by = group_by
         self.max_workers = max_workers
-        self.clock = clock
         self.strategy = strategy or "full"
         self.full_every = full_every
         self.compression = Compression(level=compression) if isinstance(compression, int) else compression
-        self._last_save_time = clock()
+        self.trigger = trigger if trigger is not None else _cadence(every_steps, every_seconds, clock)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # The cold tier is opened (and proven reachable) before anything is written here.
+        self.cold = ColdTier(cold, timeout_s=cold_timeout_s, storage_options=storage_options) if cold else None
+        self.keep_hot = keep_hot
+        if self.cold is not None:
+            tiering.restore_run_records(self.cold, self.run_dir)
+        self.branch = lineage.read_head(self.run_dir)
+        self.directory = lineage.branch_dir(self.run_dir, self.branch)
         self.directory.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(self.directory)
+        # Lineage: the run's id and the checkpoint the training state came from.
+        self.run_id: str | None = None
+        self._lineage_parent: str | None = None
         # Chained layout: what the next delta is taken against (set by a save or a load).
         self._last: chain.Parent | None = None
         self._base: chain.Parent | None = None
         self.last_save: chain_write.SaveResult | None = None
+        self.loaded_meta: dict[str, Any] = {}
         # blocking=False: one background writer, at most one save in flight.
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        # The cold tier's passes run in one background thread; saves and deletions of pieces
+        # never overlap (the store lock).
+        self._store_lock = tiering.StoreLock() if self.cold is not None else contextlib.nullcontext()
+        self._tier = tiering.Worker(self._tier_pass)
+        self.last_tier_pass: tiering.PassResult | None = None
 
-    # -- cadence ---------------------------------------------------------------------------
-    def should_save(self, step: int) -> bool:
-        if self.every_steps and step % self.every_steps == 0:
-            return True
-        return bool(self.every_seconds) and self.clock() - self._last_save_time >= self.every_seconds
+    # -- triggers ---------------------------------------------------------------------------
+    def should_save(self, step: int, metrics: Mapping[str, float] | None = None) -> bool:
+        return self.trigger.decide(step, metrics).save
 
     def path_for(self, step: int) -> Path:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -172,57 +143,94 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, payload: dict[str, Any], *, step: int | None = None, metric: float | None = None,
-             force: bool = False, blocking: bool = True) -> Path | None:
-        """Save if the cadence says so (or `force`); then apply retention. Returns the path.
+             metrics: Mapping[str, float] | None = None, force: bool = False, blocking: bool = True) -> Path | None:
+        """Save if the trigger says so (or `force`); then apply retention. Returns the path.
+
+        `metrics` are what the trigger looks at (e.g. {"val_loss": 0.41}); `metric` is recorded
+        for keep_best (the metric trigger's value if not given). Why the checkpoint was saved,
+        the trigger's state and the checkpoint's lineage are recorded in it.
 
         With `blocking=False` the payload's tensors are copied to CPU memory, the save and its
         retention run in a background thread, and the path is returned at once; the checkpoint
         is committed (and seen by `latest()`) only when that finishes. A save waits for the one
-        before it, and the background save's error is raised by the next `save()` or `wait()`."""
+        before it, and the background save's error (or the cold tier's) is raised by the next
+        `save()` or `wait()`."""
         self.wait()
         if step is None:
             step = int(payload["counters"]["global_step"])
-        if not force and not self.should_save(step):
-            return None
         path = self.path_for(step)
+        decision = self.trigger.decide(step, metrics, force=force)
+        if not decision.save:
+            return None
+        if metric is None:
+            metric = decision.metric
         extra = dict(payload.get("extra") or {})
         if metric is not None:
             if not isinstance(metric, (int, float)) or math.isnan(metric):
                 raise ValueError(f"metric must be a real number, got {metric!r}")
             extra["metric"] = float(metric)
+        if self.run_id is None:
+            self.run_id = lineage.new_run_id()
+        own_id = lineage.checkpoint_id(self.branch, step)
+        parent = self._lineage_parent if self._lineage_parent != own_id else None
+        record = lineage.Lineage(own_id, parent, self.run_id, self.branch)
+        meta = {"lineage": record.to_json(), "trigger": self.trigger.record(decision)}
+        if self.layout == "file":     # no index to hold it: inside the payload
+            extra["meta"] = meta
         payload = {**payload, "extra": extra}
-        self._last_save_time = self.clock()
+
+        def committed() -> None:
+            self.trigger.committed(decision)
+            self._lineage_parent = own_id
         if not blocking:
             snapshot = tree.cpu_copy(payload)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save")
-            self._pending = self._executor.submit(self._save_now, snapshot, path, step, metric)
+            self._pending = self._executor.submit(self._save_now, snapshot, path, step, metric, meta, committed)
             return path
-        return self._save_now(payload, path, step, metric)
+        return self._save_now(payload, path, step, metric, meta, committed)
 
     def wait(self) -> Path | None:
         """Finish the save in flight (blocking=False), if any; returns its path, or None. Its
-        error, if it failed, is raised here (once)."""
+        error, if it failed, is raised here (once), and so is a cold-tier pass's."""
         pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()
+        done = None if pending is None else pending.result()
+        self._tier.raise_error()
+        return done
+
+    def wait_tiering(self) -> tiering.PassResult | None:
+        """Finish the cold tier's uploads, retention and demotions requested so far; raise their
+        error, if any. Returns the last pass's result."""
+        self.wait()
+        self._tier.wait()
+        return self.last_tier_pass
 
     def close(self) -> None:
-        """Wait for a save in flight and stop the background writer."""
+        """Wait for a save in flight and the cold tier's work, then stop the background threads."""
         try:
             self.wait()
+            if self.cold is not None:
+                self.wait_tiering()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._tier.shutdown()
 
-    def _save_now(self, payload: dict[str, Any], path: Path, step: int, metric: float | None) -> Path:
-        if self.layout == "file":
-            save_file(payload, path)
-        elif self.layout == "sharded":
-            save_sharded(payload, path, num_shards=self.num_shards, group_by=self.group_by,
-                         max_workers=self.max_workers)
-        else:
-            self._save_chained(payload, step, metric)
+    def _save_now(self, payload: dict[str, Any], path: Path, step: int, metric: float | None,
+                  meta: dict[str, Any] | None = None, committed: Callable[[], None] = lambda: None) -> Path:
+        with self._store_lock:
+            if self.layout == "file":
+                save_file(payload, path)
+            elif self.layout == "sharded":
+                save_sharded(payload, path, num_shards=self.num_shards, group_by=self.group_by,
+                             max_workers=self.max_workers, record=meta)
+            else:
+                self._save_chained(payload, step, metric, meta)
+        committed()
+        if self.cold is not None:     # retention over both tiers runs with the uploads
+            self.request_tiering()
+            return path
         try:
             self.apply_retention(just_saved=path)
         except OSError as exc:   # the new checkpoint is committed; an old one may be half deleted
@@ -240,11 +248,12 @@ class CheckpointManager:
             return "full", None
         return self.strategy, parent
 
-    def _save_chained(self, payload: dict[str, Any], step: int, metric: float | None) -> None:
+    def _save_chained(self, payload: dict[str, Any], step: int, metric: float | None,
+                      meta: dict[str, Any] | None = None) -> None:
         kind, parent = self.next_kind()
         result = chain_write.save_chain(payload, self.directory, step, kind=kind, parent=parent,
                                   since_full=0 if parent is None else self._last.since_full + 1,
-                                  compression=self.compression, max_workers=self.max_workers, metric=metric,
+                                  compression=self.compression, max_workers=self.max_workers, metric=metric, meta=meta,
                                   # Rows are taken against the previous checkpoint (incremental) or
                                   # the last full one (differential); never for strategy "full".
                                   keep_rows=self.strategy == "incremental"
@@ -256,7 +265,17 @@ class CheckpointManager:
             self._base = None     # never a parent again; the chain's root stays on disk
         self.last_save = result
 
-    # -- finding ---------------------------------------------------------------------------
+    # -- the cold tier ----------------------------------------------------------------------
+    def request_tiering(self) -> None:
+        """Run a cold-tier pass in the background (one more after the current one, if busy)."""
+        if self.cold is not None:
+            self._tier.request()
+
+    def _tier_pass(self) -> None:
+        policy = tiering.Policy(self.keep_last, self.keep_best, self.best_mode, self.keep_hot)
+        self.last_tier_pass = tiering.run_pass(self.cold, self.run_dir, self.branch, policy, self._store_lock)
+
+    # -- finding and loading ---------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
         return list_checkpoints(self.directory)
 
@@ -264,37 +283,90 @@ class CheckpointManager:
         return latest_valid(self.directory)
 
     def load_latest(self, map_location=None) -> dict[str, Any] | None:
-        """Payload of the newest checkpoint that verifies and loads; None if there is none. A
-        chained checkpoint loaded here is what this manager's next delta is taken against."""
-        self.wait()
-        for info in reversed(self.checkpoints()):
-            try:
-                if info.layout != "chain":
-                    return load(info.path, map_location)
-                opened = chain.open_chain(info.path, map_location)
-            except CheckpointError as exc:
-                warnings.warn(f"skipping checkpoint {info.path}: {exc}", CheckpointSkippedWarning, stacklevel=2)
-                continue
-            self._last, self._base = opened.last, opened.base
-            return opened.payload
-        return None
+        """Payload of the newest checkpoint on this branch's line that verifies and loads, hot or
+        cold (a cold one is fetched back first); None if there is none. What it restores: the
+        trigger's state, the lineage parent, and for a chained checkpoint what the next delta is
+        taken against."""
+        self.wait_tiering()       # no pass runs while checkpoints are fetched and opened
+        try:
+            for found in tiering.along_line(self.run_dir, self.branch, self.cold):
+                try:
+                    return self._open(found, map_location)
+                except CheckpointError as exc:
+                    where = found.hot.path if found.hot is not None else f"{found.id} (cold)"
+                    warnings.warn(f"skipping checkpoint {where}: {exc}", CheckpointSkippedWarning, stacklevel=2)
+            return None
+        finally:
+            self.request_tiering()    # uploads a previous process left unfinished
+
+    def load(self, *, resume_from: int, branch: str | None = None, map_location=None) -> dict[str, Any]:
+        """Resume from the checkpoint of step `resume_from` on this branch's line. If it is not
+        the newest there, a new branch starts from it (named `branch`, or branch-N): later saves
+        go to the branch and the old line's checkpoints are never touched. A restart given the
+        same `resume_from` continues the branch it made. NoSuchCheckpointError if no checkpoint
+        of that step exists on the line."""
+        if branch is not None:
+            lineage.check_branch_name(branch)
+        self.wait_tiering()
+        line = tiering.along_line(self.run_dir, self.branch, self.cold)
+        target = next((f for f in line if f.step == resume_from), None)
+        if target is None:
+            steps = sorted({f.step for f in line})
+            raise lineage.NoSuchCheckpointError(self.run_dir, f"resume_from={resume_from!r}: no checkpoint of that step "
+                                                f"on branch {self.branch!r} (its line has steps {steps})")
+        current = lineage.read_branch(self.run_dir, self.branch)
+        if current is not None and current.parent_id == target.id and branch in (None, self.branch):
+            payload = self.load_latest(map_location)
+            if payload is not None:
+                return payload
+        payload = self._open(target, map_location)
+        if target is not line[0] or branch is not None:
+            made = lineage.create_branch(self.run_dir, target.id, branch)
+            lineage.write_head(self.run_dir, made.name)
+            self.branch, self.directory = made.name, made.directory
+            self._last = self._base = None          # the new branch starts with a full checkpoint
+        self.request_tiering()                      # (after the branch exists: its point is kept)
+        return payload
+
+    def _open(self, found: tiering.Found, map_location) -> dict[str, Any]:
+        path = tiering.materialize(found, self.cold)
+        if path.name.endswith(chain.SUFFIX):
+            opened = chain.open_chain(path, map_location)
+            payload = opened.payload
+            same_dir = found.directory == self.directory
+            self._last, self._base = (opened.last, opened.base) if same_dir else (None, None)
+        else:
+            payload = load(path, map_location)
+        extra = payload.get("extra") if isinstance(payload.get("extra"), dict) else {}
+        meta = extra.pop("meta", None) if path.suffix == ".pt" else read_meta(CheckpointInfo(found.step, path))
+        meta = meta if isinstance(meta, dict) else {}
+        record = lineage.Lineage.from_json(meta.get("lineage"), path)
+        self.loaded_meta = meta           # lineage and why it was saved: what `log` shows
+        self.run_id = record.run if record is not None else self.run_id
+        self._lineage_parent = found.id
+        self._restore_trigger(meta.get("trigger"), path)
+        return payload
+
+    def _restore_trigger(self, record: Any, path: Path) -> None:
+        """The trigger carries on from the loaded checkpoint's state (last save step and time,
+        best metric), so a resumed run decides as the uninterrupted one. A checkpoint saved
+        under another trigger configuration leaves this one as it starts, with a warning."""
+        if not isinstance(record, dict) or record.get("state") is None:
+            return
+        if record.get("trigger") != self.trigger.describe():
+            warnings.warn(f"{path}: saved under trigger {record.get('trigger')!r}, now {self.trigger.describe()!r}: "
+                          "its state (last save, best metric) is not carried over", TriggerChangedWarning, stacklevel=3)
+            return
+        try:
+            self.trigger.load_state_dict(record["state"])
+        except triggers.TriggerStateError as exc:
+            raise triggers.TriggerStateError(f"{path}: {exc}") from None
 
     # -- retention -------------------------------------------------------------------------
-    def _metric(self, info: CheckpointInfo) -> float | None:
-        try:
-            if info.layout == "sharded":
-                value = read_index(info.path).get("metric")
-            elif info.layout == "chain":
-                value = chain.read_manifest(info.path)[0].get("metric")
-            else:
-                value = (load_file(info.path, "cpu").get("extra") or {}).get("metric")
-        except CheckpointError:
-            return None
-        return float(value) if isinstance(value, (int, float)) else None
-
     def apply_retention(self, *, just_saved: Path | None = None) -> list[Path]:
-        """Delete checkpoints beyond keep_last/keep_best. Only committed checkpoints count toward
-        what is kept; incomplete ones older than the anchor are removed.
+        """Delete checkpoints beyond keep_last/keep_best (hot tier only; with a cold tier the
+        background pass does this over both). Only committed checkpoints count toward what is
+        kept; incomplete ones older than the anchor are removed.
 
         The anchor is never deleted: the checkpoint just saved (`just_saved`), else the newest
         checkpoint that fully verifies. Committed-looking checkpoints are only size-checked here
@@ -308,7 +380,7 @@ class CheckpointManager:
         invalid: list[CheckpointInfo] = []
         for info in infos:
             try:
-                _check_committed(info)
+                check_committed(info)
                 valid.append(info)
             except CheckpointError:
                 invalid.append(info)
@@ -325,46 +397,23 @@ class CheckpointManager:
                 break
             else:
                 return []
-        keep = {anchor.path}
-        if self.keep_last is not None:
-            keep.update(i.path for i in valid[-self.keep_last:])
-        if self.keep_best:
-            scored = [(m, i) for i in valid if (m := self._metric(i)) is not None]
-            scored.sort(key=lambda mi: mi[0], reverse=self.best_mode == "max")
-            keep.update(i.path for _, i in scored[:self.keep_best])
-        # A kept chained checkpoint needs its whole chain.
-        keep.update(p for kept in list(keep) if kept.name.endswith(chain.SUFFIX) for p in chain.ancestors(kept))
-        doomed = [i for i in valid if i.path not in keep]
-        doomed += [i for i in invalid if i.step < anchor.step and i.path not in keep]
+        candidates = []
+        for info in valid:
+            try:
+                meta = read_meta(info)
+            except CheckpointError:
+                meta = {}
+            candidates.append(tiering.candidate(info.path.name, info.step, meta, tiering.needs_of(info)))
+        keep = keep_set(candidates, keep_last=self.keep_last, keep_best=self.keep_best, best_mode=self.best_mode,
+                        anchor=anchor.path.name, protect_steps=lineage.branch_points(self.run_dir, self.branch))
+        doomed = [i for i in valid if i.path.name not in keep]
+        doomed += [i for i in invalid if i.step < anchor.step and i.path.name not in keep]
         removed = []
         for info in sorted(doomed, key=lambda i: i.step):
-            _remove_checkpoint(info.path)
+            remove_checkpoint(info.path)
             removed.append(info.path)
         if removed:
             fsync_dir(self.directory)   # the manifests are gone for good before their pieces go
         if any(i.layout == "chain" for i in infos):
             removed += chain.sweep(self.directory)
         return removed
-
-
-def _check_committed(info: CheckpointInfo) -> None:
-    """Retention's check: committed and complete (index and sizes; a single file exists by
-    atomic rename). Full hash verification is left to loading, so retention stays cheap."""
-    if info.layout == "sharded":
-        check_sizes(info.path)
-    elif info.layout == "chain":
-        chain.read_chain(info.path)
-    elif not info.path.is_file():
-        raise CheckpointError(info.path, "not a regular file")
-
-
-def _remove_checkpoint(path: Path) -> None:
-    """Un-commit first (index.json), then delete, so a crash midway leaves no half-valid entry."""
-    if path.is_dir():
-        index = path / INDEX_NAME
-        if index.exists():
-            index.unlink()
-            fsync_dir(path)
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)

@@ -76,8 +76,10 @@ _OWN_FILE_RE = re.compile(r"^model-.+\.pt$")
 
 
 def save_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num_shards: int = 2,
-                 group_by: GroupBy | str | None = None, max_workers: int | None = None) -> dict[str, Any]:
+                 group_by: GroupBy | str | None = None, max_workers: int | None = None,
+                 record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write `payload` as a sharded checkpoint in `directory`; returns the committed index.
+    `record` (lineage, why it was saved) goes in the index as "meta", readable without loading.
 
     Arguments are checked before anything on disk changes. If the save fails before its commit
     point (a write error, a full disk, an exception in a writer thread), the files it wrote are
@@ -93,7 +95,7 @@ def save_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num_s
     created = not directory.exists()
     try:
         return _write_sharded(payload, directory, num_shards=num_shards, group_by=group_by,
-                              max_workers=max_workers)
+                              max_workers=max_workers, record=record)
     except BaseException as exc:
         _discard_uncommitted(directory, created)
         if isinstance(exc, OSError):   # a file's error, reported for the checkpoint as a whole
@@ -117,7 +119,8 @@ def _discard_uncommitted(directory: Path, created: bool) -> None:
 
 
 def _write_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num_shards: int = 2,
-                   group_by: GroupBy | str | None = None, max_workers: int | None = None) -> dict[str, Any]:
+                   group_by: GroupBy | str | None = None, max_workers: int | None = None,
+                   record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write `payload` as a sharded checkpoint in `directory`; returns the committed index.
 
     A crash at any instant leaves either no index.json (incomplete, ignored by loaders) or a
@@ -165,9 +168,11 @@ def _write_sharded(payload: dict[str, Any], directory: str | os.PathLike, *, num
     index = build_index(schema=schema, global_step=int(counters.get("global_step", 0)),
                         wall_saved_at=payload.get("wall_saved_at"), files=entries)
     index["key_order"] = list(model.keys())
-    metric = (payload.get("extra") or {}).get("metric")
-    if isinstance(metric, (int, float)):
-        index["metric"] = float(metric)
+    extra = payload.get("extra") or {}
+    if isinstance(extra.get("metric"), (int, float)):
+        index["metric"] = float(extra["metric"])
+    if record is not None:
+        index["meta"] = record
     atomic_write_bytes(index_path, encode_index(index))
     return index
 

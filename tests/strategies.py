@@ -194,3 +194,13 @@ def trainer_objects(seed: int = 0, dtype: torch.dtype = torch.float32):
 def trainer_payload(step: int = 3, **kw) -> dict[str, Any]:
     model, optimizer, scheduler = trainer_objects()
     return reference.capture(model, optimizer, scheduler, global_step=step, **kw)
+
+
+class FakeClock:
+    """A clock a test moves by hand (`clock.now += 60`): cadences and triggers decide exactly."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -10,20 +10,12 @@ import pytest
 
 import reference
 import reference.manager as manager_module
-from tests.strategies import flip_bit, trainer_payload
+from tests.strategies import FakeClock, flip_bit, trainer_payload
 
 
 @functools.lru_cache(maxsize=None)
 def _payload(step: int) -> dict:
     return trainer_payload(step=step)
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _steps(run: Path) -> list[int]:
@@ -229,7 +221,7 @@ def test_crash_between_commit_and_deletion(tmp_path, monkeypatch, fail_after):
     after some shards): the new checkpoint is the valid newest, and the next save cleans up."""
     manager = reference.CheckpointManager(tmp_path, keep_last=1, num_shards=2)
     manager.save(_payload(1), step=1, force=True)
-    real_remove = manager_module._remove_checkpoint
+    real_remove = manager_module.remove_checkpoint
 
     def dying_remove(path: Path):
         index = path / "index.json"
@@ -237,10 +229,10 @@ def test_crash_between_commit_and_deletion(tmp_path, monkeypatch, fail_after):
         for shard in sorted(path.glob("model-*.pt"))[:fail_after]:
             shard.unlink()
         raise KeyboardInterrupt("killed during retention")
-    monkeypatch.setattr(manager_module, "_remove_checkpoint", dying_remove)
+    monkeypatch.setattr(manager_module, "remove_checkpoint", dying_remove)
     with pytest.raises(KeyboardInterrupt):
         manager.save(_payload(2), step=2, force=True)
-    monkeypatch.setattr(manager_module, "_remove_checkpoint", real_remove)
+    monkeypatch.setattr(manager_module, "remove_checkpoint", real_remove)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", reference.CheckpointSkippedWarning)
         assert reference.latest_valid(tmp_path).step == 2

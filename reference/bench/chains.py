@@ -279,4 +279,6 @@ def run_chain_benchmark(size_mb: float, repeats: int, directory: Path, *,
     timed("chain_restore_vs_full", *chain_restore(directory, size_mb, repeats, log))
     timed("compressed_save_vs_plain", *compressed_save(directory, size_mb, repeats, log))
     timed("async_stall_vs_copy", *async_stall(directory, size_mb, repeats, log))
+    from .tiers import demotion_stall
+    timed("demotion_stall_vs_copy", *demotion_stall(directory, size_mb, repeats, log))
     return ratios, judged, details

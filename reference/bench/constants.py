@@ -9,7 +9,9 @@ TARGETS = {"sharded_save_vs_raw": (">=", 0.9), "atomic_save_vs_torch_save": (">=
            "incremental_bytes_frac_frozen": ("<=", 0.15), "incremental_bytes_frac_sparse": ("<=", 0.05),
            "chain_restore_vs_full": ("<=", 1.5), "compress_ratio_bf16": (">=", 1.40),
            "compress_ratio_fp32": (">=", 1.15), "shuffle_gain": (">=", 1.08),
-           "compressed_save_vs_plain": ("<=", 1.5), "async_stall_vs_copy": ("<=", 1.5)}
+           "compressed_save_vs_plain": ("<=", 1.5), "async_stall_vs_copy": ("<=", 1.5),
+           # the cold tier (tiers.py)
+           "demotion_stall_vs_copy": ("<=", 0.1)}
 # What a ratio needs before it can be called met or missed: this many rounds, and variants whose
 # median sample takes this long (shorter samples are mostly noise on a shared machine).
 MIN_ROUNDS = 7

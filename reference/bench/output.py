@@ -95,7 +95,10 @@ def chain_notes(c: dict[str, Any]) -> str:
                                                    "state {ratio_of_state:.3f}x smaller) vs plain {plain_save_s:.3f} s "
                                                    "({plain_mib_per_s:.0f} MiB/s)"),
                       ("async_stall_vs_copy", "save(blocking=False) blocks {async_save_blocks_s:.3f} s vs clone {cpu_copy_s:.3f} s "
-                                              "(a sample sums {calls_per_sample} calls)")):
+                                              "(a sample sums {calls_per_sample} calls)"),
+                      ("demotion_stall_vs_copy", "a step is blocked {blocked_ms:.3f} ms by the cold tier's background "
+                                                 "upload and demotion vs clone {cpu_copy_s:.3f} s ({uploaded} "
+                                                 "checkpoints uploaded)")):
         if key in c:
             parts.append(f"`{key}`: " + what.format(**c[key]) + ".")
     return " ".join(parts)

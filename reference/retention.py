@@ -1,0 +1,46 @@
+"""Which checkpoints retention keeps: one rule for the hot directory and for hot and cold together.
+
+Kept: the newest `keep_last` by step number, the best `keep_best` by metric, the checkpoint the
+metric trigger marked best most recently (keep-best is never rotated away), the anchor (the
+checkpoint just saved, or the newest that verifies), the steps other branches grew from, and
+everything a kept checkpoint needs (a chained checkpoint's parents).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    name: str
+    step: int
+    metric: float | None = None
+    best: bool = False                 # marked best by the metric trigger when it was saved
+    needs: tuple[str, ...] = ()        # names of the checkpoints it cannot load without
+
+
+def keep_set(candidates: Iterable[Candidate], *, keep_last: int | None, keep_best: int | None,
+             best_mode: str = "min", anchor: str | None = None, protect_steps: set[int] = frozenset()) -> set[str]:
+    """Names to keep among `candidates` (committed checkpoints). With neither keep_last nor
+    keep_best, everything is kept."""
+    ordered = sorted(candidates, key=lambda c: (c.step, c.name))
+    if keep_last is None and keep_best is None:
+        return {c.name for c in ordered}
+    keep = {c.name for c in ordered if c.step in protect_steps}
+    if anchor is not None:
+        keep.add(anchor)
+    if keep_last is not None:
+        keep.update(c.name for c in ordered[-keep_last:])
+    if keep_best:
+        scored = sorted((c for c in ordered if c.metric is not None), key=lambda c: c.metric,
+                        reverse=best_mode == "max")
+        keep.update(c.name for c in scored[:keep_best])
+    marked = [c for c in ordered if c.best]
+    if marked:
+        keep.add(marked[-1].name)
+    by_name = {c.name: c for c in ordered}
+    for name in list(keep):
+        if name in by_name:
+            keep.update(by_name[name].needs)
+    return keep
