@@ -41,7 +41,8 @@ def _replay(args) -> int:
         print(f"error: cannot use the trainer: {exc}", file=sys.stderr)
         return 2
     session = Session(adapter, tol=args.loss_tol, process_timeout=args.process_timeout, grace_s=args.grace_seconds)
-    spec = RunSpec(args.total_steps, args.save_every, args.seed, adapter.world_size)
+    spec = RunSpec(args.total_steps, args.save_every, args.seed, adapter.world_size,
+                   cold="file" if adapter.has("cold_tier") else None)
     try:
         result = check.decide(session, spec, param, case)
     except (ConformanceFailure, CrashNotLanded) as exc:
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--save-every", type=int, required=True)
     rp.add_argument("--seed", type=int, default=0)
     for option in dict.fromkeys(c.case for c in CHECKS if c.case is not None):
-        rp.add_argument(f"--{option.name}", help=option.help)
+        rp.add_argument(f"--{option.name.replace('_', '-')}", dest=option.name, help=option.help)
     rp.add_argument("--loss-tol", type=float, default=DEFAULT_TOL)
     rp.add_argument("--process-timeout", type=float, default=None, metavar="SECONDS")
     rp.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS")

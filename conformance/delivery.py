@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import shutil
 import weakref
 from pathlib import Path
 
 from . import alignment, recording, strace
 from .crash import CrashPoint
-from .process import ProcessResult
+from .process import ProcessResult, copy_checkpoint_dir, remove_checkpoint_dir
 
 class CrashNotLanded(AssertionError):
     """The kill did not happen where it was planned: the trainer's filesystem operations are not
@@ -226,16 +225,15 @@ class DirectorySnapshot:
 
     def __init__(self, ckpt: Path):
         self.ckpt, self.copy = ckpt, ckpt.with_name(ckpt.name + "-before")
-        if self.copy.exists():
-            shutil.rmtree(self.copy)
-        shutil.copytree(ckpt, self.copy, symlinks=True)
+        remove_checkpoint_dir(self.copy)
+        copy_checkpoint_dir(ckpt, self.copy)
 
     def restore(self) -> None:
-        shutil.rmtree(self.ckpt)
-        shutil.copytree(self.copy, self.ckpt, symlinks=True)
+        remove_checkpoint_dir(self.ckpt)
+        copy_checkpoint_dir(self.copy, self.ckpt)
 
     def drop(self) -> None:
-        shutil.rmtree(self.copy, ignore_errors=True)
+        remove_checkpoint_dir(self.copy)
 
 
 # Syscalls strace -P matches by the path of their fd or of their path argument; the *at calls

@@ -32,6 +32,7 @@ OPTIONS = {   # name -> (command-line flag, ini key)
     "loss_tol": ("--loss-tol", "conformance_loss_tol"),
     "process_timeout": ("--process-timeout", "conformance_process_timeout"),
     "grace_seconds": ("--grace-seconds", "conformance_grace_seconds"),
+    "cold_url": ("--cold-url", "conformance_cold_url"),
     "world_size": ("--world-size", "conformance_world_size"),
     "rdzv_port": ("--rdzv-port", "conformance_rdzv_port"),
     "report": ("--conformance-report", "conformance_report"),
@@ -57,6 +58,9 @@ def pytest_addoption(parser):
     group.addoption("--grace-seconds", type=float, default=None, metavar="SECONDS",
                     help=f"preemption: how long after SIGTERM the trainer may run before SIGKILL (default "
                          f"{DEFAULT_GRACE_S:g}; SLURM and Kubernetes default to 30)")
+    group.addoption("--cold-url", default=None, metavar="URL",
+                    help="capability cold_tier: 'file' (default: a directory beside each checkpoint directory) or "
+                         "s3://bucket/prefix (the suite starts moto's S3 server on loopback for the run)")
     group.addoption("--world-size", default=None, metavar="W",
                     help="run the trainer as W ranks under torchrun (default: the adapter's world_size, or 1)")
     group.addoption("--rdzv-port", default=None, metavar="PORT",
@@ -92,6 +96,10 @@ def conformance_session_for(request, tmp_path_factory):
     grace = option(config, "grace_seconds")
     grace = float(grace) if grace is not None else DEFAULT_GRACE_S
     jobs = JobConfig(port=rdzv_port(config))
+    cold = option(config, "cold_url") or "file"
+    if cold != "file" and not cold.startswith("s3://"):
+        raise pytest.UsageError(f"{USAGE_PREFIX}--cold-url must be 'file' or s3://bucket/prefix, got {cold!r}")
+    s3 = None
 
     def get(adapter=None, trainer_cmd=None, world_size=None) -> Session:
         if adapter is None and trainer_cmd is None:
@@ -102,13 +110,19 @@ def conformance_session_for(request, tmp_path_factory):
             runner = SubprocessRunner(jobs=jobs) if option(config, "runner") == "fresh" else WarmRunner(jobs=jobs)
             report_dir = option(config, "report")
             plot_dir = Path(report_dir).resolve() / "plots" if report_dir else None
+            nonlocal s3
+            if cold.startswith("s3://") and resolved.has("cold_tier") and s3 is None:
+                from .coldstore import LoopbackS3
+                s3 = LoopbackS3(cold)
             cache[key] = Session(resolved, tmp_path_factory.mktemp("conformance"), runner=runner, tol=tol,
-                                 plot_dir=plot_dir, process_timeout=timeout, grace_s=grace)
+                                 plot_dir=plot_dir, process_timeout=timeout, grace_s=grace, cold=cold)
         return cache[key]
 
     yield get
     for session in cache.values():
         session.close()
+    if s3 is not None:
+        s3.stop()
 
 
 def rdzv_port(config) -> int | None:

@@ -3,8 +3,10 @@ leaves behind."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 
@@ -19,6 +21,12 @@ class RunSpec:
     seed: int
     world_size: int = 1
     torchrun: bool = False
+    # Capability cold_tier: where cold locations live ("file": beside each checkpoint directory;
+    # "s3://bucket/prefix": one prefix per checkpoint directory), and a kill at the Nth change to
+    # the store (coldstore.py). Capability resume_from: the step a run is told to resume from.
+    cold: str | None = None
+    cold_kill_at: int | None = None
+    resume_from: int | None = None
 
     @property
     def is_job(self) -> bool:
@@ -35,6 +43,12 @@ class RunSpec:
                     "CONFORMANCE_SAVE_EVERY": str(self.save_every),
                     "CONFORMANCE_SEED": str(self.seed),
                     "CONFORMANCE_LOSS_LOG": str(loss_log)})
+        if self.cold is not None:
+            env.update(cold_env(self.cold, ckpt_dir))
+            if self.cold_kill_at is not None:
+                env["CONFORMANCE_COLD_KILL_AT"] = str(self.cold_kill_at)
+        if self.resume_from is not None:
+            env["CONFORMANCE_RESUME_FROM"] = str(self.resume_from)
         env.setdefault("PYTHONUNBUFFERED", "1")
         # Writing .pyc files adds open/write calls to the first run only, which would shift the
         # per-thread syscall counts that crash points are addressed by.
@@ -43,7 +57,51 @@ class RunSpec:
 
     def describe(self) -> str:
         ranks = f" world_size={self.world_size}" if self.is_job else ""
-        return f"total_steps={self.total_steps} save_every={self.save_every} seed={self.seed}{ranks}"
+        more = "".join(f" {k}={v}" for k, v in (("cold_kill_at", self.cold_kill_at), ("resume_from", self.resume_from))
+                       if v is not None)
+        return f"total_steps={self.total_steps} save_every={self.save_every} seed={self.seed}{ranks}{more}"
+
+
+def cold_root(cold: str, ckpt_dir: Path) -> str:
+    """The cold location of one checkpoint directory: beside it ("file"), or a prefix of its own."""
+    if cold == "file":
+        return f"{ckpt_dir}.cold"
+    tag = hashlib.sha256(str(ckpt_dir).encode()).hexdigest()[:16]
+    return f"{cold.split('://', 1)[1].rstrip('/')}/{tag}"
+
+
+def copy_checkpoint_dir(src: Path, dst: Path, cold: str | None = None) -> None:
+    """Copy a checkpoint directory, and its cold tier if it has one (a trainer with a cold tier
+    resumes from both: a copy of the hot directory alone is a node loss)."""
+    shutil.copytree(src, dst, symlinks=True)
+    if cold is not None and cold != "file":
+        import fsspec
+        fs = fsspec.filesystem("s3")
+        if fs.exists(cold_root(cold, src)):
+            fs.copy(cold_root(cold, src), cold_root(cold, dst), recursive=True)
+        return
+    cold_src, cold_dst = Path(cold_root("file", src)), Path(cold_root("file", dst))
+    if cold_src.is_dir():
+        if cold_dst.exists():
+            shutil.rmtree(cold_dst)
+        shutil.copytree(cold_src, cold_dst, symlinks=True)
+
+
+def remove_checkpoint_dir(ckpt: Path) -> None:
+    """Remove a checkpoint directory and the file cold tier beside it."""
+    shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(cold_root("file", ckpt), ignore_errors=True)
+
+
+def cold_log(ckpt_dir: Path) -> Path:
+    """Where the changes a run makes to its cold tier are recorded (coldstore.py)."""
+    return ckpt_dir.with_name(ckpt_dir.name + ".cold-ops.jsonl")
+
+
+def cold_env(cold: str, ckpt_dir: Path) -> dict[str, str]:
+    return {"CONFORMANCE_COLD_URL": f"conformance-cold://{cold_root(cold, ckpt_dir)}",
+            "CONFORMANCE_COLD_TARGET": "file" if cold == "file" else "s3",
+            "CONFORMANCE_COLD_LOG": str(cold_log(ckpt_dir))}
 
 
 @dataclasses.dataclass

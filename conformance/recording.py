@@ -105,8 +105,8 @@ class RecordedRun:
 
     @property
     def threaded(self) -> bool:
-        """Several threads made the recorded calls (strace counts per thread: faults go by path)."""
-        return len({op.tid for op in self.ops} | {sc.tid for sc in self.step_logs.values()}) > 1
+        """Several threads made the recorded calls or wrote anywhere (strace counts per thread)."""
+        return len({op.tid for op in self.ops} | {sc.tid for sc in self.step_logs.values()} | self._writer_tids) > 1
 
     def rank_view(self, rank: int) -> "RecordedRun":
         """Rank `rank`'s own run (a single process is its own rank 0)."""
@@ -201,6 +201,7 @@ class RecordedRun:
             (self.step_logs[step].name, self.step_logs[step].nth)) == self.step_logs[step].seq
 
     _first_to_reach: dict = dataclasses.field(default_factory=dict, repr=False)
+    _writer_tids: frozenset = dataclasses.field(default_factory=frozenset, repr=False)   # threads that wrote
 
 
 def from_result(result: ProcessResult, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
@@ -263,7 +264,8 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
         return None
 
     def add(sc: strace.Syscall, kind: str, path: str, **kw) -> None:
-        inside = not path.startswith("/") or not kw.get("target", "/").startswith("/")
+        # A rename or link is inside if either end is; a copy (`target`: its source) if its path is.
+        inside = not path.startswith("/") or (kind in ("rename", "link") and not kw.get("target", "/").startswith("/"))
         targetable = kind != "create" and first_to_reach.get((sc.name, sc.nth)) == sc.seq
         ops.append(Op(len(ops), kind, path, after_step=logged, inside=inside, syscall=sc.name, nth=sc.nth,
                       tid=sc.tid, targetable=targetable, killed=sc.killed, error=sc.injected_error or "",
@@ -294,10 +296,10 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
                 if not sc.killed and not sc.injected_error:
                     logged = _logged_step(sc, logged, ordered_steps)
                     step_logs[logged] = sc
-                else:
-                    ops.append(Op(len(ops), "log", log_s, after_step=logged, inside=False, syscall=call,
-                                  nth=sc.nth, tid=sc.tid, killed=True, rank=rank or 0, ts=sc.ts,
-                                  targetable=first_to_reach.get((sc.name, sc.nth)) == sc.seq))
+                else:   # killed about to log step k: at step k - 1 (a resumed process is not at 0)
+                    ops.append(Op(len(ops), "log", log_s, after_step=max(logged, _logged_step(sc, logged, iter(())) - 1),
+                                  inside=False, syscall=call, nth=sc.nth, tid=sc.tid, killed=True, rank=rank or 0,
+                                  ts=sc.ts, targetable=first_to_reach.get((sc.name, sc.nth)) == sc.seq))
                 continue
             path = rel(strace.fd_path(args[0]))
             if path is None:
@@ -390,6 +392,7 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
     run = RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(reads), preexisting,
                       "; ".join(dict.fromkeys(unreplayable)) or None)
     run._first_to_reach = first_to_reach
+    run._writer_tids = frozenset(sc.tid for sc in syscalls if sc.name in _WRITE_CALLS)
     return run
 
 

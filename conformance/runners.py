@@ -22,7 +22,7 @@ from typing import Protocol
 from . import launch, recording, strace
 from .attach import RankAttacher, attach_strace
 from .adapters import TrainerAdapter
-from .process import ProcessResult, RunSpec, read_job_losses, read_losses
+from .process import ProcessResult, RunSpec, copy_checkpoint_dir, read_job_losses, read_losses
 from .watchdog import Limits, ProcessOverran, Stop, Watchdog
 
 __all__ = ["Limits", "ProcessOverran", "Stop", "Watchdog", "Runner", "SubprocessRunner", "WarmRunner", "Tracing",
@@ -328,7 +328,7 @@ def traced_run(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, workdir: 
     if ckpt.exists():
         shutil.rmtree(ckpt)
     if prepare is not None:
-        shutil.copytree(prepare, ckpt, symlinks=True)
+        copy_checkpoint_dir(prepare, ckpt, spec.cold)
     else:
         ckpt.mkdir(parents=True)
     before = listing(ckpt)

@@ -71,7 +71,8 @@ class ResumeConformance:
 
 
 def _spec(session: Session, save_every: int = CADENCES[0]) -> RunSpec:
-    return RunSpec(session.adapter.total_steps, save_every, SEED, session.adapter.world_size)
+    return RunSpec(session.adapter.total_steps, save_every, SEED, session.adapter.world_size,
+                   cold=session.cold if session.adapter.has("cold_tier") else None)
 
 
 def _make_test(check: Check):

@@ -101,7 +101,10 @@ def check_reachable(fs: fsspec.AbstractFileSystem, root: str, url: str, *, timeo
 
     def probe():
         fs.makedirs(root, exist_ok=True)
-        fs.ls(root, detail=False)
+        try:
+            fs.ls(root, detail=False)
+        except FileNotFoundError:   # an object store behind a wrapper: an empty prefix is no directory
+            pass
 
     try:
         _in_thread(probe, timeout_s)

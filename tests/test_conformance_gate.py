@@ -31,6 +31,8 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
         pytest.importorskip("torchdata", reason="the careful loop needs the 'torchdata' extra")
     if adapter.startswith("fixtures.chain_trainer"):
         pytest.importorskip("zstandard", reason="the chain trainer compresses: it needs the 'compression' extra")
+    if adapter.startswith("fixtures.tiered_trainer"):
+        pytest.importorskip("fsspec", reason="the tiered trainer's cold tier needs the 'cold' extra")
     # A multi-rank trainer runs under `quick` here: its `ci` run takes 3-5 minutes on 2 cores (~80
     # job deliveries). Its `ci` verdicts are measured by soak runs (docs/running.md, "Delivery").
     profile = "quick" if load_object(adapter).world_size > 1 else "ci"
@@ -43,6 +45,9 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
     loaded = load_object(adapter)
     if not loaded.legacy_samples:
         assert "adapter lacks capability 'legacy_samples'" in skipped.pop("test_schema_migration", "")
+    for check, capability in (("node_loss", "cold_tier"), ("branch_resume", "resume_from")):
+        if not loaded.has(capability):
+            assert f"adapter lacks capability '{capability}'" in skipped.pop(f"test_{check}", "")
     if loaded.world_size < 2:   # the multi-rank checks skip, naming why
         for check in ("rank_resume", "all_or_nothing", "reshard"):
             for test in [t for t in skipped if t == f"test_{check}" or t.startswith(f"test_{check}[")]:
@@ -67,6 +72,8 @@ def test_broken_trainer_fails_with_the_intended_check(run_suite, trainer):
     bug, check = CATALOGUE[trainer]
     if trainer in ("chain_retention_drops_base", "chain_latest_before_write", "compressed_piece_without_length"):
         pytest.importorskip("zstandard", reason=f"{trainer} compresses: it needs the 'compression' extra")
+    if trainer in ("cold_without_marker", "branch_overwrites", "rotation_drops_best"):
+        pytest.importorskip("fsspec", reason=f"{trainer} has a cold tier: it needs the 'cold' extra")
     verdicts, out = run_suite(f"--adapter=fixtures.broken.{trainer}:ADAPTER",
                               "--hypothesis-profile=quick", "-k", f"test_{check} or test_determinism_precondition")
     if check != "determinism_precondition":
@@ -77,3 +84,15 @@ def test_broken_trainer_fails_with_the_intended_check(run_suite, trainer):
     message = next(iter(failed.values()))
     assert f"[{check}" in message, message[:2000]
     assert "replay:   python -m conformance replay" in message
+
+
+def test_cold_tier_over_s3_through_the_suites_loopback_server(run_suite):
+    """--cold-url=s3://...: the suite starts moto's S3 server for the run, the trainer uploads to
+    it through the recording filesystem, and node_loss resumes from it after the local disk is
+    wiped."""
+    pytest.importorskip("moto", reason="the s3 cold tier needs the 's3-test' extra")
+    pytest.importorskip("s3fs", reason="the s3 cold tier needs the 'cold' extra")
+    verdicts, out = run_suite("--adapter=fixtures.tiered_trainer:ADAPTER", "--cold-url=s3://conformance-cold/runs",
+                              "--hypothesis-profile=quick", "-k", "node_loss or determinism")
+    assert verdicts.get("test_node_loss", ("missing",))[0] == "passed", out[-3000:]
+    assert verdicts["test_determinism_precondition"][0] == "passed", out[-3000:]

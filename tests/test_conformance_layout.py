@@ -13,7 +13,7 @@ from conformance.checks.registry import TABLE_MARKER, markdown_table
 REPO = Path(__file__).resolve().parents[1]
 # conformance's modules, lowest layer first: a module imports only from its own layer or below.
 LAYERS = [
-    {"crash", "process", "strace", "settings", "evidence", "readme", "adapters", "corrupt", "child", "launch"},
+    {"crash", "process", "strace", "settings", "evidence", "readme", "adapters", "corrupt", "child", "launch", "coldstore"},
     {"recording", "alignment", "failures", "plots", "watchdog"},
     {"runners", "forkserver", "rank", "attach"},
     {"delivery", "scenario", "crash_states", "powerloss", "faults", "strategies"},

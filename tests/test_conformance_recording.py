@@ -167,3 +167,15 @@ def test_an_injected_signal_marks_the_call_it_was_delivered_at():
     run = _run(text)
     hit = run.signalled_op()
     assert hit is not None and hit.kind == "log" and hit.after_step == 0 and 1 in run.step_logs
+
+
+def test_a_copy_out_of_the_directory_is_not_one_of_its_operations():
+    """A checkpoint file copied elsewhere (an upload to a file:// cold tier, a backup) changes
+    nothing under the checkpoint directory: not a mutation, not a crash point. A copy into it is."""
+    run = _run('100  openat(AT_FDCWD</run>, "/ck/a", O_RDONLY|O_CLOEXEC) = 3</ck/a>\n'
+               '100  openat(AT_FDCWD</run>, "/cold/a.tmp", O_WRONLY|O_CREAT|O_TRUNC|O_CLOEXEC, 0644) = 4</cold/a.tmp>\n'
+               '100  copy_file_range(3</ck/a>, NULL, 4</cold/a.tmp>, NULL, 1024, 0) = 1024\n'
+               '100  openat(AT_FDCWD</run>, "/ck/b", O_WRONLY|O_CREAT|O_TRUNC|O_CLOEXEC, 0644) = 5</ck/b>\n'
+               '100  copy_file_range(3</ck/a>, NULL, 5</ck/b>, NULL, 1024, 0) = 1024\n')
+    kinds = [(run.ops[i].kind, run.ops[i].path) for i in run.mutations]
+    assert kinds == [("create", "b"), ("copy", "b")]

@@ -1,13 +1,12 @@
 """Helpers the check families share: plots of diverging curves, and the files of a checkpoint."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from .. import evidence
 from ..crash import Schedule, format_schedule
 from ..plots import plot_name, plot_resume
-from ..process import RunSpec
+from ..process import RunSpec, copy_checkpoint_dir
 from ..recording import RecordedRun
 from .session import Session
 
@@ -51,7 +50,7 @@ def copy_prefix(session: Session, spec: RunSpec, name: str, check: str) -> tuple
     prefix, stop = session.prefix(spec)
     d = session.case_dir(name)
     ckpt = (d / "ckpt").resolve()
-    shutil.copytree(prefix.ckpt_dir, ckpt, symlinks=True)
+    copy_checkpoint_dir(prefix.ckpt_dir, ckpt, spec.cold)
     files = [ckpt / p.relative_to(prefix.ckpt_dir) for p in newest_checkpoint_files(prefix, stop)]
     if not files:
         raise session.fail(check, spec, f"could not tell which files make up the checkpoint of step {stop}: "

@@ -18,7 +18,7 @@ from ..crash import CrashPoint, Schedule, format_schedule, parse_schedule
 from ..failures import ConformanceFailure, stderr_tail
 from ..process import RunSpec
 from ..runners import ProcessOverran
-from . import damage, determinism, legacy, power, preemption, ranks, schedules, states, storage, untrusted
+from . import damage, determinism, legacy, power, preemption, ranks, schedules, states, storage, tiers, untrusted
 from .session import Session
 
 
@@ -65,6 +65,8 @@ class Check:
 _SCHEDULE = CaseOption("schedule", "crash schedule, e.g. fs:9,step:4", parse_schedule, required=True)
 _STATE = CaseOption("state", "one state, by label (e.g. 37, or 37t for a torn write)")
 _FILE = CaseOption("file", "one damaged file, relative to the checkpoint directory (e.g. pieces/3f2a...)")
+_COLD_OP = CaseOption("cold_op", "kill before this change to the cold tier (1-based; past the last: no kill)", int,
+                      required=True)
 _POINT = CaseOption("point", "one fault point, e.g. fs:9 or step:4", CrashPoint.parse, required=True)
 
 
@@ -149,6 +151,17 @@ CHECKS: tuple[Check, ...] = (
           "each file of the newest checkpoint in turn is replaced by a pickle that runs code when loaded; "
           "that code must never run",
           "conformance/checks/untrusted.py", untrusted.untrusted_checkpoint, needs=("trace",), precondition="none"),
+    Check("node_loss",
+          "killed just before any change to the cold tier (an upload, a marker, a deletion; or not at all), then "
+          "the checkpoint directory is wiped: the next start resumes from the cold tier, from at least the save "
+          "before the newest one logged before the kill, and matches the baseline",
+          "conformance/checks/tiers.py", tiers.node_loss, needs=("trace", "cold_tier"),
+          draw=lambda b, _: tiers.kill_points(b), case=_COLD_OP),
+    Check("branch_resume",
+          "after a whole run, resumed from an older checkpoint (CONFORMANCE_RESUME_FROM: the best one by the metric "
+          "it logs, with capability keep_best): it resumes at that step, its new curve matches the baseline, and "
+          "every file of the original line is still there byte for byte",
+          "conformance/checks/tiers.py", tiers.branch_resume, needs=("trace", "resume_from")),
     Check("schema_migration",
           "legacy samples load, and the run resumes at their step and matches the baseline",
           "conformance/checks/legacy.py", legacy.schema_migration, needs=("legacy_samples",), precondition="none",

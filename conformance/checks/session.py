@@ -41,8 +41,9 @@ class Session:
 
     def __init__(self, adapter: TrainerAdapter, workdir: Path | None = None, runner: Runner | None = None,
                  tol: float = DEFAULT_TOL, plot_dir: Path | None = None, process_timeout: float | None = None,
-                 grace_s: float = DEFAULT_GRACE_S):
+                 grace_s: float = DEFAULT_GRACE_S, cold: str = "file"):
         self.adapter = adapter
+        self.cold = cold          # capability cold_tier: "file" or s3://bucket/prefix (process.cold_root)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="conformance-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.scratch = scratch_root(self.workdir)
