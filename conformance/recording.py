@@ -99,14 +99,14 @@ class RecordedRun:
     unreplayable: str | None = None          # why crash states cannot be rebuilt from this run
     ranks: dict[int, "RecordedRun"] = dataclasses.field(default_factory=dict)   # jobs: each rank's own run
 
-    @property
-    def is_job(self) -> bool:
-        return bool(self.ranks)
+    is_job = property(lambda self: bool(self.ranks), doc="a multi-rank job (its ranks' runs merged)")
 
     @property
     def threaded(self) -> bool:
-        """Several threads made the recorded calls or wrote anywhere (strace counts per thread)."""
-        return len({op.tid for op in self.ops} | {sc.tid for sc in self.step_logs.values()} | self._writer_tids) > 1
+        """Several threads made the recorded calls (strace counts per thread: faults go by path)."""
+        return len({op.tid for op in self.ops} | {sc.tid for sc in self.step_logs.values()}) > 1
+
+    writers = property(lambda self: len(self._writer_tids), doc="threads that wrote anywhere (see scenario.py)")
 
     def rank_view(self, rank: int) -> "RecordedRun":
         """Rank `rank`'s own run (a single process is its own rank 0)."""

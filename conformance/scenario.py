@@ -118,7 +118,7 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         own_view = own.rank_view(point.on_rank)
         # A step kill by count only in a process whose other threads write nothing: strace counts
         # per thread, so another thread's nth write would take it.
-        by_path = point.kind == "step" and (own_view.threaded or not own_view.step_by_count(point.index + 1))
+        by_path = point.kind == "step" and (own_view.writers > 1 or not own_view.step_by_count(point.index + 1))
         # A job's fs kill: by path where the path is the same in every run, else (or once that
         # missed) by count, shifted (see deliver).
         on_path = PathDelivery(kill, own_view, stable, ckpt, job=own.is_job or own_view.threaded)

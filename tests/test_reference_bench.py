@@ -33,7 +33,7 @@ def test_per_round_ratios_pair_the_variants_of_each_round():
 def test_a_short_run_reports_every_ratio_with_its_spread_and_says_it_cannot_judge(tmp_path):
     result = run_benchmark(2, 2, tmp_path, memory=False)
     timed = {"sharded_save_vs_raw", "atomic_save_vs_torch_save", "verified_load_vs_raw_read",
-             "chain_restore_vs_full", "compressed_save_vs_plain", "async_stall_vs_copy"}
+             "chain_restore_vs_full", "compressed_save_vs_plain", "async_stall_vs_copy", "demotion_stall_vs_copy"}
     counted = {"incremental_bytes_frac_frozen", "incremental_bytes_frac_sparse", "compress_ratio_bf16",
                "compress_ratio_fp32", "shuffle_gain"}
     assert set(result["ratios"]) == timed | counted
