@@ -24,6 +24,7 @@ from typing import Any
 from . import chain
 from .atomic import fsync_dir, temp_name_for
 from .coldfs import ColdStorageError, check_reachable, open_cold
+from .integrity import sha256_file
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, InvalidIndexError
 from .index import INDEX_NAME, read_index
 
@@ -75,15 +76,6 @@ def checkpoint_files(path: Path) -> list[str]:
         manifest, _ = chain.read_manifest(path)
         return [f"{chain.PIECES}/{p}" for p in sorted(chain.references(manifest))] + [path.name]
     return [path.name]
-
-
-def _hash_local(path: Path) -> tuple[int, str]:
-    h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-    return n, h.hexdigest()
 
 
 def _marker_checksum(body: dict[str, Any]) -> str:
@@ -192,9 +184,6 @@ class ColdTier:
             raise ColdStorageError(where, f"reading failed: {type(exc).__name__}: {exc}") from exc
         return n, h.hexdigest()
 
-    def _remote_sha256(self, key: str, where: str) -> tuple[int, str]:
-        return self._stream(key, where)
-
     def upload(self, hot_dir: Path, branch_rel: str, path: Path, *, needs: list[str], meta: dict[str, Any],
                verified: dict[str, ColdFile]) -> ColdCheckpoint:
         """Copy the committed hot checkpoint `path`, verify the copy, then write its marker.
@@ -209,9 +198,9 @@ class ColdTier:
             if known is not None and self._size(key) == known.bytes:
                 files.append(known)
                 continue
-            size, digest = _hash_local(local)
+            size, digest = sha256_file(local)
             self._put(local, key, where)
-            got = self._remote_sha256(key, where)
+            got = self._stream(key, where)
             if got != (size, digest):
                 raise ColdTierError(where, f"the uploaded copy has {got[0]} bytes, sha256 {got[1][:16]}...; the hot "
                                            f"file {local} has {size} bytes, sha256 {digest[:16]}...")
@@ -240,7 +229,7 @@ class ColdTier:
         not silently taken instead)."""
         for f in cold.files:
             target = hot_dir / f.path
-            if target.is_file() and target.stat().st_size == f.bytes and _hash_local(target)[1] == f.sha256:
+            if target.is_file() and target.stat().st_size == f.bytes and sha256_file(target)[1] == f.sha256:
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             where = self.where(branch_rel, f.path)
