@@ -17,7 +17,7 @@ from .crash import CrashPoint
 from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Stop, Tracing
 from .crash_states import Replayer
-from .delivery import CrashNotLanded, PathDelivery, PlannedKill, check_landed_on_log, deliver, log_write_count
+from .delivery import CrashNotLanded, KillMissedCount, PathDelivery, PlannedKill, check_landed_on_log, deliver, log_write_count
 from .scenario import plan
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
@@ -66,7 +66,8 @@ def _landed(kill: PlannedKill, planned: recording.RecordedRun, landed: recording
     if lined_up.divergence is not None or (error and not hit.error):
         why = lined_up.divergence.describe("planned run", "faulted run") if lined_up.divergence else \
             f"operation #{k} did not fail ({hit.describe()})"
-        raise CrashNotLanded(f"fault at {kill.point} did not land at {kill.text}: {why}")
+        raise (CrashNotLanded if lined_up.divergence else KillMissedCount)(
+            f"fault at {kill.point} did not land at {kill.text}: {why}")
 
 
 def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: CrashPoint, action: str,

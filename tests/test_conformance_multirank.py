@@ -254,3 +254,35 @@ def test_a_late_kill_shows_the_shift_at_the_planned_operation_itself():
     landed = dc.replace(landed, ops=tuple(dc.replace(o, nth=n) for o, n in zip(landed.ops, (3, 4, 6))))
     kill = PlannedKill(CrashPoint("fs", 1, 1), "write", 6, "rank 1: write", 1, 0, 3)
     assert count_shift(kill, planned, landed) == -2    # the target was this run's write #4, not #6
+
+
+def test_a_job_fault_that_keeps_missing_by_a_few_calls_draws_another_point_but_a_divergence_fails():
+    """gloo's wake-up writes can drift by more than the shifts catch up with: after the last
+    attempt, a miss where the operations matched says nothing about the trainer (another point is
+    drawn); operations that differ still fail it, and a single process gets no retry."""
+    from conformance.delivery import (DELIVERY_ATTEMPTS, CrashNotLanded, CrashPointMissing, KillMissedCount,
+                                      PlannedKill, deliver)
+    kill = PlannedKill(CrashPoint("fs", 1, 1), "write", 6, "rank 1: write", 1, 0, 3)
+    view = _run([("write", "s/a", "", "write", 10, False), ("write", "s/.tmp-b", "", "write", 10, False)])
+    attempts = []
+
+    def attempt(k):
+        attempts.append(k.nth)
+        return view
+
+    def missing(k, landed):
+        raise KillMissedCount("the killed run made 0 operation(s) before the kill, the planned run 1")
+
+    def diverging(k, landed):
+        raise CrashNotLanded("operation #0 differs")
+
+    with pytest.raises(CrashPointMissing, match="deliveries by count missed"):
+        deliver(kill, view, attempt, missing, job=True, shifted=True, reset=lambda: None)
+    assert len(attempts) == DELIVERY_ATTEMPTS
+    with pytest.raises(CrashNotLanded, match="differs") as raised:
+        deliver(kill, view, attempt, diverging, job=True, shifted=True, reset=lambda: None)
+    assert not isinstance(raised.value, CrashPointMissing)
+    attempts.clear()
+    with pytest.raises(KillMissedCount):
+        deliver(kill, view, attempt, missing, job=False, shifted=False, reset=lambda: None)
+    assert len(attempts) == 1
