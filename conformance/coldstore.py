@@ -9,6 +9,9 @@ point, so nothing is imported by hand). What it does is steered by the environme
     CONFORMANCE_COLD_TARGET    the real store's protocol: "file" (default) or "s3"
     CONFORMANCE_COLD_LOG       append one JSON line per change: {"n", "op", "path", "after_step"}
     CONFORMANCE_COLD_KILL_AT   SIGKILL this process just before change number N
+    CONFORMANCE_COLD_GARBLE_AT let change number N happen, then flip one byte of the object it
+                               wrote (a whole-object write: pipe_file, put_file, cp_file, mv) and
+                               report success: a store that corrupts silently
 
 Object-store calls are not syscalls under the checkpoint directory, so the strace recording does
 not see them; this log is their recording. `after_step` is the number of lines in the trainer's
@@ -27,8 +30,11 @@ import fsspec
 from fsspec.spec import AbstractFileSystem
 
 PROTOCOL = "conformance-cold"
-ENV_URL, ENV_TARGET, ENV_LOG, ENV_KILL_AT = ("CONFORMANCE_COLD_URL", "CONFORMANCE_COLD_TARGET", "CONFORMANCE_COLD_LOG",
-                                             "CONFORMANCE_COLD_KILL_AT")
+ENV_URL, ENV_TARGET, ENV_LOG, ENV_KILL_AT, ENV_GARBLE_AT = (
+    "CONFORMANCE_COLD_URL", "CONFORMANCE_COLD_TARGET", "CONFORMANCE_COLD_LOG", "CONFORMANCE_COLD_KILL_AT",
+    "CONFORMANCE_COLD_GARBLE_AT")
+# The changes that write one whole object, which a garble fault can corrupt after the fact.
+WHOLE_OBJECT_WRITES = ("pipe_file", "put_file", "cp_file", "mv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +78,9 @@ class RecordingFileSystem(AbstractFileSystem):
         target = os.environ.get(ENV_TARGET, "file")
         self.inner = fsspec.filesystem(target, **({"auto_mkdir": True} if target == "file" else {}))
         self.log = os.environ.get(ENV_LOG)
-        kill = os.environ.get(ENV_KILL_AT)
+        kill, garble = os.environ.get(ENV_KILL_AT), os.environ.get(ENV_GARBLE_AT)
         self.kill_at = int(kill) if kill else None
+        self.garble_at = int(garble) if garble else None
         self.loss_log = os.environ.get("CONFORMANCE_LOSS_LOG")
 
     @classmethod
@@ -92,7 +99,8 @@ class RecordingFileSystem(AbstractFileSystem):
         except (OSError, TypeError):
             return 0
 
-    def _change(self, op: str, path) -> None:
+    def _change(self, op: str, path) -> int:
+        """Count (and log) one change; die here if it is the one to be killed at. Its number."""
         with RecordingFileSystem._lock:
             RecordingFileSystem._count += 1
             n = RecordingFileSystem._count
@@ -102,23 +110,43 @@ class RecordingFileSystem(AbstractFileSystem):
                     f.write(line + "\n")
             if self.kill_at is not None and n == self.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            return n
+
+    def _written(self, n: int, path) -> None:
+        """After change `n` wrote the object at `path`: garble it if that is the fault asked for.
+        The byte in the middle of the object has its low bit flipped; the size stays."""
+        if n != self.garble_at:
+            return
+        key = self._strip_protocol(path)
+        data = bytearray(self.inner.cat_file(key))
+        if data:
+            data[len(data) // 2] ^= 0x01
+            self.inner.pipe_file(key, bytes(data))
 
     # -- changes --------------------------------------------------------------------------------
     def pipe_file(self, path, value, **kw):
-        self._change("pipe_file", path)
-        return self.inner.pipe_file(self._strip_protocol(path), value, **kw)
+        n = self._change("pipe_file", path)
+        out = self.inner.pipe_file(self._strip_protocol(path), value, **kw)
+        self._written(n, path)
+        return out
 
     def put_file(self, lpath, rpath, **kw):
-        self._change("put_file", rpath)
-        return self.inner.put_file(lpath, self._strip_protocol(rpath), **kw)
+        n = self._change("put_file", rpath)
+        out = self.inner.put_file(lpath, self._strip_protocol(rpath), **kw)
+        self._written(n, rpath)
+        return out
 
     def mv(self, path1, path2, **kw):
-        self._change("mv", path2)
-        return self.inner.mv(self._strip_protocol(path1), self._strip_protocol(path2), **kw)
+        n = self._change("mv", path2)
+        out = self.inner.mv(self._strip_protocol(path1), self._strip_protocol(path2), **kw)
+        self._written(n, path2)
+        return out
 
     def cp_file(self, path1, path2, **kw):
-        self._change("cp_file", path2)
-        return self.inner.cp_file(self._strip_protocol(path1), self._strip_protocol(path2), **kw)
+        n = self._change("cp_file", path2)
+        out = self.inner.cp_file(self._strip_protocol(path1), self._strip_protocol(path2), **kw)
+        self._written(n, path2)
+        return out
 
     def rm_file(self, path):
         self._change("rm_file", path)

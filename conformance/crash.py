@@ -62,3 +62,32 @@ def parse_schedule(text: str) -> Schedule:
     if text in ("", "none"):
         return ()
     return tuple(CrashPoint.parse(part) for part in text.split(","))
+
+
+@dataclasses.dataclass(frozen=True)
+class ColdFault:
+    """A fault at the Nth change a process makes to its cold tier (1-based, coldstore.py's
+    numbering): `kill:N` dies just before it; `garble:N` lets it happen, then flips one byte of
+    the object it wrote and reports success, as a store that corrupts silently would."""
+
+    kind: str
+    n: int
+
+    KINDS = ("kill", "garble")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"cold fault kind must be one of {self.KINDS}, got {self.kind!r}")
+        if self.n < 1:
+            raise ValueError(f"cold fault change number must be >= 1, got {self.n}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.n}"
+
+    @classmethod
+    def parse(cls, text: str) -> "ColdFault":
+        kind, _, n = text.strip().partition(":")
+        try:
+            return cls(kind, int(n))
+        except ValueError as exc:
+            raise ValueError(f"bad cold fault {text!r}: expected 'kill:N' or 'garble:N' ({exc})") from None

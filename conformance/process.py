@@ -9,6 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
+from .crash import ColdFault
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -22,10 +24,10 @@ class RunSpec:
     world_size: int = 1
     torchrun: bool = False
     # Capability cold_tier: where cold locations live ("file": beside each checkpoint directory;
-    # "s3://bucket/prefix": one prefix per checkpoint directory), and a kill at the Nth change to
+    # "s3://bucket/prefix": one prefix per checkpoint directory), and a fault at the Nth change to
     # the store (coldstore.py). Capability resume_from: the step a run is told to resume from.
     cold: str | None = None
-    cold_kill_at: int | None = None
+    cold_fault: ColdFault | None = None
     resume_from: int | None = None
 
     @property
@@ -45,8 +47,8 @@ class RunSpec:
                     "CONFORMANCE_LOSS_LOG": str(loss_log)})
         if self.cold is not None:
             env.update(cold_env(self.cold, ckpt_dir))
-            if self.cold_kill_at is not None:
-                env["CONFORMANCE_COLD_KILL_AT"] = str(self.cold_kill_at)
+            if self.cold_fault is not None:
+                env[f"CONFORMANCE_COLD_{self.cold_fault.kind.upper()}_AT"] = str(self.cold_fault.n)
         if self.resume_from is not None:
             env["CONFORMANCE_RESUME_FROM"] = str(self.resume_from)
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -57,7 +59,7 @@ class RunSpec:
 
     def describe(self) -> str:
         ranks = f" world_size={self.world_size}" if self.is_job else ""
-        more = "".join(f" {k}={v}" for k, v in (("cold_kill_at", self.cold_kill_at), ("resume_from", self.resume_from))
+        more = "".join(f" {k}={v}" for k, v in (("cold_fault", self.cold_fault), ("resume_from", self.resume_from))
                        if v is not None)
         return f"total_steps={self.total_steps} save_every={self.save_every} seed={self.seed}{ranks}{more}"
 

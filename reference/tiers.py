@@ -211,7 +211,14 @@ class ColdTier:
         marker = path.name + MARKER_SUFFIX
         key = self.key(branch_rel, marker)
         self.put_bytes(key, json.dumps(body, indent=1, sort_keys=True).encode() + b"\n", self.where(branch_rel, marker))
-        return ColdCheckpoint(path.name, step, tuple(files), tuple(needs), meta, key)
+        # The marker is read back too: a hot copy is only ever deleted for a marker the store returns.
+        try:
+            back = self.read_marker(branch_rel, marker)
+        except (InvalidIndexError, FileNotFoundError) as exc:
+            raise ColdTierError(self.where(branch_rel, marker), f"the marker does not read back: {exc}") from None
+        if back.files != tuple(files):
+            raise ColdTierError(self.where(branch_rel, marker), "the marker reads back with other files")
+        return back
 
     def _size(self, key: str) -> int | None:
         try:

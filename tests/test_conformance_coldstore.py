@@ -13,6 +13,7 @@ import fsspec
 import pytest
 
 from conformance import coldstore
+from conformance.crash import ColdFault
 from conformance.process import RunSpec, cold_env, cold_log, cold_root
 
 SCRIPT = """
@@ -27,10 +28,11 @@ print(sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)))
 """
 
 
-def _trainer(tmp_path: Path, kill_at: int | None) -> tuple[subprocess.CompletedProcess, Path]:
+def _trainer(tmp_path: Path, kill_at: int | None, fault: ColdFault | None = None
+             ) -> tuple[subprocess.CompletedProcess, Path]:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    spec = RunSpec(3, 1, 0, cold="file", cold_kill_at=kill_at)
+    spec = RunSpec(3, 1, 0, cold="file", cold_fault=fault or (ColdFault("kill", kill_at) if kill_at else None))
     env = spec.env(ckpt, tmp_path / "loss.jsonl")
     return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120), ckpt
 
@@ -55,6 +57,27 @@ def test_a_kill_lands_just_before_change_n(tmp_path, kill_at):
     assert [n for n in done if ".tmp" not in n] == [f"obj-{i}" for i in range(1, finished + 1)]
 
 
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_a_garble_corrupts_the_object_change_n_wrote_and_nothing_else(tmp_path, n):
+    proc, ckpt = _trainer(tmp_path, None, ColdFault("garble", n))
+    assert proc.returncode == 0, proc.stderr
+    root = Path(cold_root("file", ckpt))
+    # Change 1 writes obj-1.tmp, change 2 moves it to obj-1: garbling either corrupts obj-1.
+    garbled = f"obj-{(n + 1) // 2}"
+    for step in (1, 2, 3):
+        data = (root / f"obj-{step}").read_bytes()
+        assert len(data) == step
+        assert (data != b"x" * step) == (f"obj-{step}" == garbled), (step, data)
+
+
+@pytest.mark.parametrize("text, fault", [("kill:3", ColdFault("kill", 3)), ("garble:12", ColdFault("garble", 12))])
+def test_a_cold_fault_reads_back_from_its_text(text, fault):
+    assert ColdFault.parse(text) == fault and str(fault) == text
+    for bad in ("kill", "kill:0", "melt:3", "garble:x"):
+        with pytest.raises(ValueError, match="cold fault"):
+            ColdFault.parse(bad)
+
+
 def test_the_environment_names_the_store_and_the_log(tmp_path):
     ckpt = tmp_path / "run" / "ckpt"
     env = cold_env("file", ckpt)
@@ -65,6 +88,8 @@ def test_the_environment_names_the_store_and_the_log(tmp_path):
     assert cold_env("s3://bucket/prefix", ckpt.with_name("other"))["CONFORMANCE_COLD_URL"] != s3["CONFORMANCE_COLD_URL"]
     assert "CONFORMANCE_COLD_URL" not in RunSpec(3, 1, 0).env(ckpt, tmp_path / "l")
     assert RunSpec(3, 1, 0, resume_from=2).env(ckpt, tmp_path / "l")["CONFORMANCE_RESUME_FROM"] == "2"
+    garble = RunSpec(3, 1, 0, cold="file", cold_fault=ColdFault("garble", 4)).env(ckpt, tmp_path / "l")
+    assert garble["CONFORMANCE_COLD_GARBLE_AT"] == "4" and "CONFORMANCE_COLD_KILL_AT" not in garble
 
 
 def test_over_s3_through_the_loopback_server(tmp_path, monkeypatch):

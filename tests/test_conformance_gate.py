@@ -45,9 +45,11 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
     loaded = load_object(adapter)
     if not loaded.legacy_samples:
         assert "adapter lacks capability 'legacy_samples'" in skipped.pop("test_schema_migration", "")
-    for check, capability in (("node_loss", "cold_tier"), ("branch_resume", "resume_from")):
-        if not loaded.has(capability):
-            assert f"adapter lacks capability '{capability}'" in skipped.pop(f"test_{check}", "")
+    for check, capabilities in (("node_loss", ("cold_tier",)), ("branch_resume", ("resume_from",)),
+                                ("demotion_safe", ("cold_tier", "resume_from"))):
+        missing = [c for c in capabilities if not loaded.has(c)]
+        if missing:
+            assert f"adapter lacks capability '{missing[0]}'" in skipped.pop(f"test_{check}", "")
     if loaded.world_size < 2:   # the multi-rank checks skip, naming why
         for check in ("rank_resume", "all_or_nothing", "reshard"):
             for test in [t for t in skipped if t == f"test_{check}" or t.startswith(f"test_{check}[")]:

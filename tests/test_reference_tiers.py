@@ -168,6 +168,11 @@ class FailingPut:
         if self.mode == "garble":
             self._fs.pipe_file(rpath, b"garbled")
 
+    def pipe_file(self, path, value, **kw):
+        if self.mode == "garble_marker" and tiers.MARKER_SUFFIX in str(path):
+            value = value.replace(b'"step"', b'"stop"')     # a flipped bit: no longer a valid marker
+        self._fs.pipe_file(path, value, **kw)
+
 
 @pytest.mark.parametrize("mode", ["eio", "garble"])
 def test_an_upload_error_is_raised_and_the_hot_copy_stays(tmp_path, mode):
@@ -186,6 +191,28 @@ def test_an_upload_error_is_raised_and_the_hot_copy_stays(tmp_path, mode):
     except expected:
         pass
     assert not list(cold_dir.glob(f"*{tiers.MARKER_SUFFIX}")) and _hot_steps(run)[0] == 1
+
+
+def test_a_marker_that_does_not_read_back_keeps_the_hot_copy(tmp_path):
+    """The marker is the commit point of the cold copy: a store that corrupts it silently must not
+    lead to the hot copy being deleted for it."""
+    run, cold_dir = tmp_path / "hot", tmp_path / "cold"
+    manager = reference.CheckpointManager(run, cold=f"file://{cold_dir}", keep_hot=1, layout="file")
+    manager.cold.fs = FailingPut(manager.cold.fs, "garble_marker")
+    manager.save(_payload(1), step=1, force=True)
+    with pytest.raises(tiers.ColdTierError, match="marker does not read back"):
+        manager.save(_payload(2), step=2, force=True)
+        manager.wait_tiering()
+    try:
+        manager.close()
+    except tiers.ColdTierError:
+        pass
+    assert _hot_steps(run) == [1] and manager.cold.list() == []    # the error came before step 2 was saved
+    again = reference.CheckpointManager(run, cold=f"file://{cold_dir}", keep_hot=1, layout="file")   # store mended
+    again.save(_payload(2), step=2, force=True)
+    again.wait_tiering()
+    assert [c.step for c in again.cold.list()] == [1, 2] and _hot_steps(run) == [2]
+    again.close()
 
 
 class Killed(BaseException):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from .. import strategies
 from ..corrupt import KINDS
-from ..crash import CrashPoint, Schedule, format_schedule, parse_schedule
+from ..crash import ColdFault, CrashPoint, Schedule, format_schedule, parse_schedule
 from ..failures import ConformanceFailure, stderr_tail
 from ..process import RunSpec
 from ..runners import ProcessOverran
@@ -67,6 +67,8 @@ _STATE = CaseOption("state", "one state, by label (e.g. 37, or 37t for a torn wr
 _FILE = CaseOption("file", "one damaged file, relative to the checkpoint directory (e.g. pieces/3f2a...)")
 _COLD_OP = CaseOption("cold_op", "kill before this change to the cold tier (1-based; past the last: no kill)", int,
                       required=True)
+_COLD_FAULT = CaseOption("cold_fault", "a fault at a change to the cold tier: kill:N (die just before change N) or "
+                         "garble:N (flip a byte of the object change N wrote)", ColdFault.parse, required=True)
 _POINT = CaseOption("point", "one fault point, e.g. fs:9 or step:4", CrashPoint.parse, required=True)
 
 
@@ -162,6 +164,12 @@ CHECKS: tuple[Check, ...] = (
           "it logs, with capability keep_best): it resumes at that step, its new curve matches the baseline, and "
           "every file of the original line is still there byte for byte",
           "conformance/checks/tiers.py", tiers.branch_resume, needs=("trace", "resume_from")),
+    Check("demotion_safe",
+          "killed just before any change to the cold tier, or one object it writes silently corrupted, then run to "
+          "the end: resumed from the checkpoint branch_resume asks for (CONFORMANCE_RESUME_FROM), it still loads and "
+          "matches the baseline; a hot copy is never deleted before its cold copy is verified",
+          "conformance/checks/tiers.py", tiers.demotion_safe, needs=("trace", "cold_tier", "resume_from"),
+          draw=lambda b, _: tiers.fault_points(b), case=_COLD_FAULT),
     Check("schema_migration",
           "legacy samples load, and the run resumes at their step and matches the baseline",
           "conformance/checks/legacy.py", legacy.schema_migration, needs=("legacy_samples",), precondition="none",

@@ -1,4 +1,4 @@
-"""Checks of a trainer with a cold tier (node_loss) and of one that resumes from an older
+"""Checks of a trainer with a cold tier (node_loss, demotion_safe) and of one that resumes from an older
 checkpoint on request (branch_resume).
 
 node_loss: the trainer is killed just before its Nth change to the cold tier (an upload, a
@@ -6,6 +6,13 @@ marker, a deletion: the changes recorded in the baseline by coldstore.py; N past
 a run that finished), then the hot checkpoint directory is wiped, as when a node is lost, and the
 next start must resume from the cold tier and match the baseline. Uploads may lag: the resume must
 come from at least the save before the newest save logged before the kill (0 if none).
+
+demotion_safe: the trainer is killed just before its Nth change to the cold tier, or that change
+goes through and a byte of the object it wrote is then flipped while the store reports success
+(a store that corrupts silently). It is started again until it finishes (at most twice), then
+asked to resume from the checkpoint branch_resume would ask for, which an uninterrupted run keeps:
+that must still load and match the baseline. A hot copy deleted before its cold copy was verified
+is lost here.
 
 branch_resume: after a whole run, the trainer is started with CONFORMANCE_RESUME_FROM=S (the
 best checkpoint by the metric it logs, with capability keep_best; else its second newest save).
@@ -24,7 +31,8 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from .. import evidence
-from ..coldstore import read_log
+from ..coldstore import WHOLE_OBJECT_WRITES, read_log
+from ..crash import ColdFault
 from ..failures import format_mismatches, loss_mismatches, stderr_tail
 from ..process import RunSpec, cold_log, cold_root, copy_checkpoint_dir
 from ..recording import RecordedRun
@@ -54,7 +62,7 @@ def node_loss(session: Session, check: str, spec: RunSpec, _param, kill_at: int)
     ckpt = (d / "ckpt").resolve()
     ckpt.mkdir()
     killed = kill_at <= len(changes)
-    first = session.runner.run_process(session.adapter, spec.but(cold_kill_at=kill_at if killed else None), ckpt,
+    first = session.runner.run_process(session.adapter, spec.but(cold_fault=ColdFault("kill", kill_at) if killed else None), ckpt,
                                        d / "first-loss.jsonl")
     logged = max(first.losses, default=0)
     where = (f"killed before cold change #{kill_at} ({changes[kill_at - 1].op} {changes[kill_at - 1].path} in the "
@@ -90,6 +98,82 @@ def node_loss(session: Session, check: str, spec: RunSpec, _param, kill_at: int)
                    "state from the cold tier", "  first differing steps:\n" + format_mismatches(rows))
 
 
+def probe_step(baseline: RecordedRun, keep_best: bool) -> tuple[int, str]:
+    """The checkpoint a run is later asked to resume from (branch_resume, demotion_safe): the
+    best by the metric the trainer logs (keep_best), else its second newest save; 0 if none."""
+    saves = baseline.saves()
+    if keep_best:
+        metrics = _metrics(baseline.ckpt_dir.parent / "baseline-loss.jsonl")
+        scored = [(metrics[s], s) for s in saves if s in metrics]
+        if scored:
+            value, step = min(scored)
+            return step, f"the best checkpoint by the metric it logged ({value:.6g})"
+    return (saves[-2], "its second newest save") if len(saves) >= 2 else (0, "")
+
+
+def fault_points(baseline: RecordedRun) -> st.SearchStrategy[ColdFault]:
+    """Faults at changes made while the probed checkpoint is uploaded or demoted first (from its
+    save to the second save after it, for either probe), then at any change. A garble only where
+    a change writes a whole object."""
+    changes = cold_changes(baseline)
+    if not changes:
+        return st.just(ColdFault("kill", 1))
+    saves = baseline.saves()
+    lo = min(probe_step(baseline, True)[0], probe_step(baseline, False)[0])
+    later = [s for s in saves if s > lo]
+    hi = later[1] if len(later) > 1 else float("inf")
+    near = [c for c in changes if lo <= c.after_step < hi]
+
+    def faults(among):
+        kills = [ColdFault("kill", c.n) for c in among]
+        garbles = [ColdFault("garble", c.n) for c in among if c.op in WHOLE_OBJECT_WRITES]
+        return st.sampled_from(garbles + kills)
+
+    return st.one_of(faults(near), faults(changes)) if near else faults(changes)
+
+
+def demotion_safe(session: Session, check: str, spec: RunSpec, _param, fault: ColdFault) -> None:
+    baseline = session.baseline(spec)
+    step, why = probe_step(baseline, session.adapter.has("keep_best"))
+    if step == 0:
+        raise session.fail(check, spec, f"the run saved fewer than two checkpoints (saves: {baseline.saves()}): "
+                           "nothing older to resume from", case={"cold_fault": str(fault)})
+    d = session.case_dir("demotion")
+    ckpt = (d / "ckpt").resolve()
+    ckpt.mkdir()
+    what = {"kill": "killed just before", "garble": "one byte of the object written by"}[fault.kind]
+    where = f"{what} cold change #{fault.n}" + (" silently flipped" if fault.kind == "garble" else "")
+
+    def fail(problem: str, details: str = ""):
+        return session.fail(check, spec, problem, details=f"  fault: {where}\n" + details,
+                            case={"cold_fault": str(fault)})
+
+    runs = [session.runner.run_process(session.adapter, spec.but(cold_fault=fault), ckpt, d / "fault-loss.jsonl")]
+    # A correct trainer may stop on the fault (a kill, or an upload error it raises): it is
+    # started again, at most twice, until it finishes.
+    while runs[-1].returncode != 0 and len(runs) < 3:
+        runs.append(session.runner.run_process(session.adapter, spec, ckpt, d / f"again{len(runs)}-loss.jsonl"))
+    if runs[-1].returncode != 0:
+        raise fail(f"after the fault the trainer did not finish in {len(runs) - 1} more start(s): the last exited "
+                   f"{runs[-1].returncode}", "  stderr:\n" + stderr_tail(runs[-1].stderr))
+    probe = session.runner.run_process(session.adapter, spec.but(resume_from=step), ckpt, d / "probe-loss.jsonl")
+    r = probe.resumed_from(spec)
+    evidence.record(evidence.Fault(check=check, point=f"cold:{fault}", planned=where, fault=fault.kind,
+                                   first_exit=runs[0].returncode, went_on=len(runs) == 1, resumed_from=r,
+                                   final_exit=probe.returncode))
+    asked = f"then it ran to the end, then CONFORMANCE_RESUME_FROM={step} ({why})"
+    if probe.returncode != 0:
+        raise fail(f"the trainer could not resume from step {step} (exit {probe.returncode}), a checkpoint it "
+                   "keeps in an uninterrupted run: the fault in its upload or demotion lost it (was its hot copy "
+                   "deleted before the cold copy was verified?)", f"  {asked}\n  stderr:\n" + stderr_tail(probe.stderr))
+    if r != step:
+        raise fail(f"asked to resume from step {step}, the trainer resumed from step {r}", f"  {asked}\n")
+    rows = loss_mismatches(baseline.losses, probe.losses, session.tol)
+    if rows:
+        raise fail(f"resumed from step {step} after the fault, the trainer diverges from the baseline: it loaded a "
+                   "damaged copy of that checkpoint", f"  {asked}\n  first differing steps:\n" + format_mismatches(rows))
+
+
 def _metrics(loss_log: Path) -> dict[int, float]:
     out: dict[int, float] = {}
     if loss_log.exists():
@@ -101,18 +185,6 @@ def _metrics(loss_log: Path) -> dict[int, float]:
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue
     return out
-
-
-def branch_point(session: Session, baseline: RecordedRun) -> tuple[int, str]:
-    """The step branch_resume resumes from, and why that one."""
-    saves = baseline.saves()
-    if session.adapter.has("keep_best"):
-        metrics = _metrics(baseline.ckpt_dir.parent / "baseline-loss.jsonl")
-        scored = [(metrics[s], s) for s in saves if s in metrics]
-        if scored:
-            value, step = min(scored)
-            return step, f"the best checkpoint by the metric it logged ({value:.6g})"
-    return (saves[-2], "its second newest save") if len(saves) >= 2 else (0, "")
 
 
 def old_line_files(baseline: RecordedRun) -> dict[str, int]:
@@ -141,7 +213,7 @@ def _digests(*roots: Path) -> set[str]:
 
 def branch_resume(session: Session, check: str, spec: RunSpec, _param, _case) -> None:
     baseline = session.baseline(spec)
-    step, why = branch_point(session, baseline)
+    step, why = probe_step(baseline, session.adapter.has("keep_best"))
     if step == 0:
         raise session.fail(check, spec, f"the run saved fewer than two checkpoints (saves: {baseline.saves()}): "
                            "nothing older to resume from")
