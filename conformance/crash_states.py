@@ -10,6 +10,7 @@ milliseconds; checks/states.py decides each one with a short resume.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -27,6 +28,22 @@ class Replayer:
         self.dirs: set[str] = {"."}
         self.symlinks: dict[str, str] = {}
         self.positions: dict[tuple[int, int, str], int] = {}   # (rank, fd, path) -> offset
+        # path -> the generation of its bytes: a new number whenever they change, carried by a
+        # rename. Two states whose files have the same generations hold the same bytes.
+        self.gens: dict[str, int] = {}
+        self._next_gen = 0
+
+    def _changed(self, path: str) -> None:
+        self._next_gen += 1
+        self.gens[path] = self._next_gen
+
+    def content_key(self) -> str:
+        """A digest of what the state shows inside the checkpoint directory (files by generation,
+        directories, symlinks): equal keys, equal directories. An fsync changes nothing a kill
+        leaves, so the states before and after it share a key."""
+        inside = (sorted((p, self.gens.get(p, 0)) for p in self.files if not p.startswith("/")),
+                  sorted(d for d in self.dirs if not d.startswith("/")), sorted(self.symlinks.items()))
+        return hashlib.blake2b(repr(inside).encode(), digest_size=12).hexdigest()
 
     def apply(self, op: Op, *, torn: bool = False) -> None:
         if op.error or not op.effect:
@@ -37,6 +54,7 @@ class Replayer:
         elif k in ("create", "open"):
             if "O_TRUNC" in op.flags or op.path not in self.files:
                 self.files[op.path] = bytearray()
+                self._changed(op.path)
             self.positions[(op.rank, op.fd, op.path)] = len(self.files[op.path]) if "O_APPEND" in op.flags else 0
         elif k == "write":
             if op.data is None:
@@ -48,6 +66,7 @@ class Replayer:
             if pos > len(buf):
                 buf.extend(b"\0" * (pos - len(buf)))
             buf[pos:pos + len(data)] = data
+            self._changed(op.path)
             if op.offset is None:
                 self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
         elif k == "copy":   # sendfile/copy_file_range: the source's bytes, at the destination's position
@@ -61,6 +80,7 @@ class Replayer:
             if pos > len(buf):
                 buf.extend(b"\0" * (pos - len(buf)))
             buf[pos:pos + len(data)] = data
+            self._changed(op.path)
             self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
         elif k == "seek":
             self.positions[(op.rank, op.fd, op.path)] = op.offset
@@ -68,15 +88,18 @@ class Replayer:
             buf = self.files.setdefault(op.path, bytearray())
             del buf[op.offset:]
             buf.extend(b"\0" * (op.offset - len(buf)))
+            self._changed(op.path)
         elif k == "rename":
             self._move(op.path, op.target)
         elif k == "link":
             if op.path in self.files:
                 self.files[op.target] = bytearray(self.files[op.path])
+                self.gens[op.target] = self.gens.get(op.path, 0)
         elif k == "symlink":
             self.symlinks[op.path] = op.target
         elif k == "unlink":
             self.files.pop(op.path, None)
+            self.gens.pop(op.path, None)
             self.symlinks.pop(op.path, None)
         elif k == "rmdir":
             self.dirs.discard(op.path)
@@ -87,7 +110,7 @@ class Replayer:
             if p == src:
                 return dst
             return dst + p[len(src):] if p.startswith(src + "/") else None
-        for table in (self.files, self.symlinks):
+        for table in (self.files, self.gens, self.symlinks):
             for p in [p for p in table if moved(p)]:
                 table[moved(p)] = table.pop(p)
         for p in [p for p in self.dirs if moved(p)]:
@@ -121,6 +144,13 @@ class CrashState:
     newest_committed: int
     in_progress: int | None
     save_complete: bool = False   # the interrupted save's files already hold their final bytes
+    content: str = ""             # Replayer.content_key() of the directory it leaves ("" unknown)
+
+    @property
+    def verdict_key(self) -> tuple:
+        """What its verdict depends on: the directory, and what the judge and the probes are told.
+        States with equal keys are decided once (see distinct)."""
+        return (self.content or self.label, self.newest_committed, self.in_progress, self.save_complete)
 
     @property
     def label(self) -> str:
@@ -138,16 +168,33 @@ def crash_states(run: RecordedRun) -> list[CrashState]:
     if run.unreplayable:
         raise UnreplayableTrace(run.unreplayable)
     complete = _save_complete_before(run)
+    wanted = set(run.mutations)
+    replayer = Replayer()
     states = []
-    for i in run.mutations:
-        op = run.ops[i]
-        newest, in_progress = run.committed_before(i), run.in_progress(i)
-        where = f"{run.role(i)}: {op.describe()}"
-        states.append(CrashState(i, False, f"kill before op #{i} ({where})", newest, in_progress, complete[i]))
-        if op.kind == "write" and op.data is not None and len(op.data) > 1:
-            states.append(CrashState(i, True, f"kill during op #{i} ({where}), only the first "
-                                     f"{torn_length(op.data)} bytes written", newest, in_progress, complete[i]))
+    for op in run.ops:
+        i = op.index
+        if i in wanted:
+            newest, in_progress = run.committed_before(i), run.in_progress(i)
+            where = f"{run.role(i)}: {op.describe()}"
+            key = replayer.content_key()
+            states.append(CrashState(i, False, f"kill before op #{i} ({where})", newest, in_progress, complete[i], key))
+            if op.kind == "write" and op.data is not None and len(op.data) > 1:
+                # Half of a write to a file not yet renamed in shows nothing new.
+                torn = key if op.path.startswith("/") else f"{key}+torn{i}"
+                states.append(CrashState(i, True, f"kill during op #{i} ({where}), only the first "
+                                         f"{torn_length(op.data)} bytes written", newest, in_progress, complete[i],
+                                         torn))
+        replayer.apply(op)
     return states
+
+
+def distinct(states: list, key=lambda s: s.verdict_key) -> dict:
+    """States grouped by what decides their verdict, in order: the first of each group stands
+    for the others (a state's verdict is a function of its directory and its judging alone)."""
+    groups: dict = {}
+    for state in states:
+        groups.setdefault(key(state), []).append(state)
+    return {group[0]: group[1:] for group in groups.values()}
 
 
 def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:

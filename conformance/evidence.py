@@ -134,9 +134,11 @@ class CrashStates(Evidence):
     operations: int
     failed: int
     failing: tuple[str, ...] = ()
+    distinct: int = 0            # directories decided (states that leave the same one are decided once)
 
     def summary(self) -> str:
         return (f"{self.states} crash states rebuilt from {self.operations} recorded operations"
+                + (f" ({self.distinct} distinct directories decided)" if self.distinct else "")
                 + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
 
 
@@ -147,9 +149,11 @@ class PowerLoss(Evidence):
     states: int
     failed: int
     failing: tuple[str, ...] = ()
+    distinct: int = 0
 
     def summary(self) -> str:
-        return (f"{self.states} power-loss states ({self.model} model)"
+        return (f"{self.states} power-loss states ({self.model} model"
+                + (f", {self.distinct} distinct directories decided)" if self.distinct else ")")
                 + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
 
 

@@ -18,6 +18,7 @@ and an fsync through any name makes them durable.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import posixpath
 import shutil
@@ -68,6 +69,15 @@ class Cut:
     symlinks: dict[str, str]
     lost_data: dict[str, str]      # path -> why its bytes are not what the run last wrote
     lost_entries: dict[str, str]   # path -> which directory-entry operation did not persist
+
+    def content_key(self) -> str:
+        """A digest of the directory this cut leaves: equal keys, equal directories."""
+        h = hashlib.blake2b(digest_size=12)
+        for p in sorted(self.files):
+            h.update(f"f {p} {len(self.files[p])}\n".encode())
+            h.update(self.files[p])
+        h.update(repr((sorted(self.dirs), sorted(self.symlinks.items()))).encode())
+        return h.hexdigest()
 
     def materialize(self, directory: Path) -> None:
         if directory.exists():

@@ -162,3 +162,47 @@ def test_a_file_written_elsewhere_and_renamed_in_keeps_its_bytes(tmp_path):
     build_state(run, states[1], tmp_path / "s")
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["last.ckpt"]
     assert (tmp_path / "s/last.ckpt").read_bytes() == b"ckpt-bytes"
+
+
+def test_states_that_leave_the_same_directory_are_decided_once(tmp_path):
+    """An fsync changes nothing a kill leaves: the states before and after it are one directory,
+    judged alike, and decided once; every state that changes a byte is its own."""
+    from conformance.crash_states import distinct
+    run = parse_recording(RECORDING)
+    states = crash_states(run)
+    by_label = {s.label: s for s in states}
+    fsync = next(o.index for o in run.ops if o.kind == "fsync")
+    assert by_label[str(fsync)].content == by_label[str(fsync + 1)].content        # around the fsync
+    assert by_label[str(fsync)].verdict_key == by_label[str(fsync + 1)].verdict_key
+    writes = [o.index for o in run.ops if o.kind == "write" and o.path == "step-3/.a.tmp"]
+    contents = [by_label[str(i)].content for i in writes] + [by_label[f"{writes[0]}t"].content]
+    assert len(set(contents)) == len(contents)
+    groups = distinct(states)
+    assert sum(1 + len(alike) for alike in groups.values()) == len(states) and len(groups) < len(states)
+    for first, alike in groups.items():       # the same key: the same directory, byte for byte
+        for other in alike:
+            build_state(run, first, tmp_path / "a")
+            build_state(run, other, tmp_path / "b")
+            assert _tree(tmp_path / "a") == _tree(tmp_path / "b"), (first.label, other.label)
+
+
+def _tree(root: Path) -> dict:
+    return {p.relative_to(root).as_posix(): (p.read_bytes() if p.is_file() else None) for p in root.rglob("*")}
+
+
+def test_power_cuts_that_leave_the_same_directory_share_a_key(tmp_path):
+    """Under the `data` model the writes before an fsync leave nothing durable: the cuts before
+    each of them are one directory (decided once by power_loss); the fsync makes a new one."""
+    from conformance import powerloss
+    run = parse_recording(RECORDING)
+    cuts = dict(powerloss.cuts(run, "data"))
+    writes = [o.index for o in run.ops if o.kind == "write" and o.path == "step-3/.a.tmp"]
+    fsync = next(o.index for o in run.ops if o.kind == "fsync")
+    assert len({cuts[i].content_key() for i in writes}) == 1
+    assert cuts[fsync + 1].content_key() != cuts[writes[0]].content_key()      # the fsynced bytes survive
+    for i, cut in cuts.items():
+        for j, other in cuts.items():
+            if cut.content_key() == other.content_key():
+                cut.materialize(tmp_path / "a")
+                other.materialize(tmp_path / "b")
+                assert _tree(tmp_path / "a") == _tree(tmp_path / "b"), (i, j)

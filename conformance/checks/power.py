@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import evidence, powerloss
-from ..crash_states import CrashState, probe_specs, save_files
+from ..crash_states import CrashState, distinct, probe_specs, save_files
 from ..failures import stderr_tail
 from ..process import ProcessResult, RunSpec
 from ..recording import UnreplayableTrace
@@ -33,6 +33,11 @@ class PowerState:
     in_progress: int | None
     intact: tuple[int, ...]      # saves whose every file survives the cut with its bytes
     lost: str                    # what the cut lost of the completed save, for messages
+    content: str = ""            # digest of the directory the cut leaves
+
+    @property
+    def verdict_key(self) -> tuple:
+        return (self.content or self.label, self.completed, self.in_progress, self.intact)
 
     @property
     def label(self) -> str:
@@ -65,7 +70,7 @@ def power_states(session: Session, spec: RunSpec, model: str) -> tuple[list[Powe
         lost = _what_was_lost(cut, finals.get(completed, {})) if completed and completed not in intact else ""
         op = run.ops[i]
         states.append(PowerState(i, f"power cut before op #{i} ({run.role(i)}: {op.describe()})", completed,
-                                 run.in_progress(i), intact, lost))
+                                 run.in_progress(i), intact, lost, cut.content_key()))
         cuts[i] = cut
     return states, cuts
 
@@ -135,18 +140,22 @@ def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: st
             shutil.rmtree(d, ignore_errors=True)
         return state, problem, result
 
+    same = distinct(states)    # cuts that leave the same directory, judged alike, are decided once
     failures = []
     with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
-        for state, problem, result in pool.map(check_one, states):
+        for state, problem, result in pool.map(check_one, same):
             if problem:
                 failures.append((state, problem, result))
                 if len(failures) >= MAX_STATE_FAILURES:
                     pool.shutdown(cancel_futures=True)
                     break
     evidence.record(evidence.PowerLoss(model=model, states=len(states), failed=len(failures),
-                                       failing=tuple(s.label for s, _, _ in failures)))
+                                       failing=tuple(s.label for s, _, _ in failures), distinct=len(same)))
     if failures:
         state, problem, result = failures[0]
+        if same[state]:
+            problem += (f" (power cuts before ops {', '.join(s.label for s in same[state][:6])}"
+                        f"{' ...' if len(same[state]) > 6 else ''} leave the same directory)")
         others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])
         raise session.fail(
             check, spec, f"after a {state.description}, {problem}",

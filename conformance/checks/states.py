@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import evidence
-from ..crash_states import CrashState, build_state, crash_states, probe_specs
+from ..crash_states import CrashState, build_state, crash_states, distinct, probe_specs
 from ..failures import stderr_tail
 from ..process import ProcessResult, RunSpec
 from ..recording import UnreplayableTrace
@@ -91,11 +91,12 @@ def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None,
             shutil.rmtree(d, ignore_errors=True)
         return state, problem, result
 
+    same = distinct(states)    # states that leave the same directory, judged alike, are decided once
     failures = []
     try:
         # States are independent: check several at once (each is one short forked process).
         with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
-            for state, problem, result in pool.map(check_one, states):
+            for state, problem, result in pool.map(check_one, same):
                 if problem:
                     failures.append((state, problem, result))
                     if len(failures) >= MAX_STATE_FAILURES:
@@ -110,10 +111,14 @@ def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None,
         if not any(state_root.iterdir()):
             state_root.rmdir()
     evidence.record(evidence.CrashStates(states=len(states), operations=len(run.mutations), failed=len(failures),
-                                         failing=tuple(s.label for s, _, _ in failures)))
+                                         failing=tuple(s.label for s, _, _ in failures), distinct=len(same)))
     if failures:
         state, problem, result = failures[0]
         others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])
+        alike = same[state]
+        if alike:
+            problem += (f" (states {', '.join(s.label for s in alike[:6])}{' ...' if len(alike) > 6 else ''} "
+                        "leave the same directory)")
         raise session.fail(
             check, spec, f"in the state a {state.description} leaves, {problem}",
             details=f"  state {state.label}: newest committed checkpoint then: step {state.newest_committed}"

@@ -16,6 +16,7 @@ TARGETS = {"sharded_save_vs_raw": (">=", 0.9), "atomic_save_vs_torch_save": (">=
 # median sample takes this long (shorter samples are mostly noise on a shared machine).
 MIN_ROUNDS = 7
 MIN_SAMPLE_S = 0.5
+MAX_INNER_CALLS = 64   # timed calls summed into one sample, at most (see chains.async_stall)
 # Ratio -> (numerator variant, denominator variant): the per-round ratio of two timed variants.
 TIMED_RATIOS = {"sharded_save_vs_raw": ("raw_write", "sharded_save"),
                 "atomic_save_vs_torch_save": ("torch_save", "atomic_save"),
