@@ -25,8 +25,9 @@ class CrashNotLanded(AssertionError):
 
 
 class KillMissedCount(CrashNotLanded):
-    """The process made the planned operations but the fault came before or after the planned one:
-    the count it was delivered by was off (a job's `write` counts drift), not the trainer."""
+    """The fault came before or after the planned operation (or never, the count running past the
+    process's last call), the operations before it the same: the count it was delivered by was off
+    (a job's `write` counts drift), not the trainer."""
 
 
 class CrashPointMissing(Exception):
@@ -62,7 +63,7 @@ def check_landed(kill: PlannedKill, planned: recording.RecordedRun, landed: reco
     `planned` and `landed` are the killed rank's own runs (the job itself exits non-zero)."""
     hit = landed.killed_op()
     if (result.returncode not in (-9, 137) and not result.rank_losses) or hit is None:
-        raise CrashNotLanded(
+        raise KillMissedCount(
             f"crash point {kill.point} (planned: {kill.text}, {kill.syscall} #{kill.nth}) was not "
             f"delivered: the process exited {result.returncode} without being killed there")
     done = [i for i in landed.mutations if not landed.ops[i].killed]

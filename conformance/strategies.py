@@ -59,9 +59,14 @@ def _ordered_fs(baseline: RecordedRun, only_inside: bool, from_end: bool = False
     in_pivot = [n for n in ordinals if owner[targetable[n]] == pivot]
     centre = (in_pivot[0] + in_pivot[-1]) / 2 if in_pivot else 0
     if from_end:
-        # A save's data writes from the last one backwards, then its other operations: the last
-        # writes are where a rank's part is still incomplete while the others may be done.
-        writes = {n for n in ordinals if baseline.ops[baseline.mutations[targetable[n]]].kind == "write"}
+        # A save's data writes, and the fsyncs of the files they wrote, from the last one
+        # backwards, then its other operations: the last writes are where a rank's part is still
+        # incomplete while the others may be done. The fsync after a file's last write comes
+        # first: it is as telling, and its count, unlike a job's write count (gloo's wake-up
+        # writes), does not drift, so a kill by count lands there exactly.
+        ops = [baseline.ops[baseline.mutations[targetable[n]]] for n in ordinals]
+        written = {op.path for op in ops if op.kind == "write"}
+        writes = {n for n, op in zip(ordinals, ops) if op.kind == "write" or (op.kind == "fsync" and op.path in written)}
         return sorted(ordinals, key=lambda n: (owner[targetable[n]] != pivot, owner[targetable[n]] < pivot,
                                                owner[targetable[n]], n not in writes, -n))
     return sorted(ordinals, key=lambda n: (owner[targetable[n]] != pivot, owner[targetable[n]] < pivot,
