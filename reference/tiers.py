@@ -83,6 +83,14 @@ def _marker_checksum(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def marker_bytes(name: str, step: int, needs: list[str], meta: dict[str, Any], files: list[ColdFile]) -> bytes:
+    """The cold commit marker of checkpoint `name`: the files it is made of, their sizes and hashes."""
+    body = {"format": MARKER_FORMAT, "name": name, "step": step, "needs": list(needs), "meta": meta,
+            "files": [dataclasses.asdict(f) for f in files], "uploaded_at": time.time()}
+    body["sha256"] = _marker_checksum(body)
+    return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
+
+
 class ColdTier:
     """One cold location (`url`), mirroring the run directory's layout below it."""
 
@@ -205,12 +213,9 @@ class ColdTier:
                 raise ColdTierError(where, f"the uploaded copy has {got[0]} bytes, sha256 {got[1][:16]}...; the hot "
                                            f"file {local} has {size} bytes, sha256 {digest[:16]}...")
             files.append(ColdFile(rel, size, digest))
-        body = {"format": MARKER_FORMAT, "name": path.name, "step": step, "needs": needs, "meta": meta,
-                "files": [dataclasses.asdict(f) for f in files], "uploaded_at": time.time()}
-        body["sha256"] = _marker_checksum(body)
         marker = path.name + MARKER_SUFFIX
         key = self.key(branch_rel, marker)
-        self.put_bytes(key, json.dumps(body, indent=1, sort_keys=True).encode() + b"\n", self.where(branch_rel, marker))
+        self.put_bytes(key, marker_bytes(path.name, step, needs, meta, files), self.where(branch_rel, marker))
         # The marker is read back too: a hot copy is only ever deleted for a marker the store returns.
         try:
             back = self.read_marker(branch_rel, marker)
