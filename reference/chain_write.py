@@ -1,5 +1,6 @@
 """Writing a chained checkpoint (chain.py reads, verifies and sweeps them): pieces first, each
-atomic and fsynced, prepared on worker threads and written in order by the calling thread, then
+atomic and fsynced, prepared on worker threads a bounded window ahead and written in the payload's
+order by the calling thread (so a save's filesystem operations are the same in every run), then
 the pieces directory fsynced, then the manifest, the commit point."""
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import collections
 import dataclasses
 import hashlib
 import io
-import itertools
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +25,9 @@ from .errors import write_error
 from .integrity import tensor_bytes
 from .schema import check_supported
 from .tree import split_tensors
+
+AHEAD_PIECES = 16         # pieces prepared ahead of the writes, per worker
+AHEAD_BYTES = 256 << 20   # raw bytes of the pieces prepared ahead, past the first one per worker
 
 
 @dataclasses.dataclass
@@ -55,9 +58,12 @@ def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str
         store.mkdir(parents=True, exist_ok=True)
         if created:
             fsync_dir(directory)
+        remove_stale_temps(store)
+        # What earlier saves stored, listed once: a delta does not rewrite it. Not asked per piece
+        # as the store fills, so what a worker finds does not depend on how far the writes got.
+        stored_before = set(os.listdir(store)) if kind != "full" else set()
     except OSError as exc:
         raise write_error(store, exc) from exc
-    remove_stale_temps(store)
     skeleton, tensors = split_tensors(payload)
     written = [0]
     # Pieces are prepared (hashed, rows found, encoded) by `prepare`, possibly on worker threads,
@@ -66,7 +72,7 @@ def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str
 
     def piece(raw, digest: str, dtype: torch.dtype | None, writes: list[Write]) -> dict[str, Any]:
         target = store / digest
-        if kind != "full" and target.exists():
+        if digest in stored_before:
             return {"piece": digest, "bytes": len(raw)}
         parts, header = codec.encode(raw, dtype=dtype, compression=compression)
         writes.append((target, parts, header["stored_bytes"]))
@@ -93,8 +99,15 @@ def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str
         entry.update(piece(raw, digest, t.dtype, writes))
         return entry, writes
 
+    in_this_save: set[str] = set()
+
     def write(writes: list[Write]) -> None:
         for target, parts, stored in writes:
+            if target.name in in_this_save:
+                # Equal tensors (tied, or zeros alike) in one payload: one piece, written where it
+                # first appears, so the operations do not depend on which worker saw what first.
+                continue
+            in_this_save.add(target.name)
             # Named by the hash of its raw bytes, taken already: no second hash while writing.
             atomic_write(target, lambda sink: [sink.write(p) for p in parts], sync_dir=False, hashing=False)
             written[0] += len(parts[0]) + stored
@@ -104,16 +117,32 @@ def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str
     try:
         if workers > 1 and len(tensors) > 1:
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                todo = iter(tensors)
-                # A bounded window: encoded pieces wait in memory only a few at a time.
-                window = collections.deque(pool.submit(prepare, item) for item in itertools.islice(todo, 2 * workers))
-                while window:
-                    entry, writes = window.popleft().result()
-                    nxt = next(todo, None)
-                    if nxt is not None:
-                        window.append(pool.submit(prepare, nxt))
-                    write(writes)
-                    entries.append(entry)
+                todo = collections.deque(tensors)
+                window: collections.deque = collections.deque()   # (future, raw bytes), in write order
+                ahead = [0]
+
+                def fill() -> None:
+                    # Workers run ahead of the writes within a window: a large piece at the head
+                    # does not leave the other workers idle, and the pieces waiting (encoded) stop
+                    # at about AHEAD_BYTES (one piece per worker is always allowed).
+                    while todo and len(window) < AHEAD_PIECES * workers and (
+                            ahead[0] < AHEAD_BYTES or len(window) < workers):
+                        item = todo.popleft()
+                        size = item[1].numel() * item[1].element_size()
+                        window.append((pool.submit(prepare, item), size))
+                        ahead[0] += size
+                fill()
+                try:
+                    while window:
+                        future, size = window.popleft()
+                        entry, writes = future.result()
+                        ahead[0] -= size
+                        fill()
+                        write(writes)
+                        entries.append(entry)
+                finally:
+                    for future, _ in window:
+                        future.cancel()
         else:
             for item in tensors:
                 entry, writes = prepare(item)
