@@ -197,6 +197,15 @@ def distinct(states: list, key=lambda s: s.verdict_key) -> dict:
     return {group[0]: group[1:] for group in groups.values()}
 
 
+def same_directory_note(alike: list, what: str) -> str:
+    """For a failure message: which other states (`what` names them, e.g. "states") leave the
+    directory the failing one left, and so share its verdict; "" when none do."""
+    if not alike:
+        return ""
+    more = " ..." if len(alike) > 6 else ""
+    return f" ({what} {', '.join(s.label for s in alike[:6])}{more} leave the same directory)"
+
+
 def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
     """Step s -> the files its save leaves behind (written or renamed in during the save, and
     present when it ends), with their bytes: what a complete checkpoint of step s is."""

@@ -119,24 +119,19 @@ def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 todo = collections.deque(tensors)
                 window: collections.deque = collections.deque()   # (future, raw bytes), in write order
-                ahead = [0]
 
                 def fill() -> None:
                     # Workers run ahead of the writes within a window: a large piece at the head
                     # does not leave the other workers idle, and the pieces waiting (encoded) stop
                     # at about AHEAD_BYTES (one piece per worker is always allowed).
                     while todo and len(window) < AHEAD_PIECES * workers and (
-                            ahead[0] < AHEAD_BYTES or len(window) < workers):
+                            len(window) < workers or sum(size for _, size in window) < AHEAD_BYTES):
                         item = todo.popleft()
-                        size = item[1].numel() * item[1].element_size()
-                        window.append((pool.submit(prepare, item), size))
-                        ahead[0] += size
+                        window.append((pool.submit(prepare, item), item[1].nbytes))
                 fill()
                 try:
                     while window:
-                        future, size = window.popleft()
-                        entry, writes = future.result()
-                        ahead[0] -= size
+                        entry, writes = window.popleft()[0].result()
                         fill()
                         write(writes)
                         entries.append(entry)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import evidence, powerloss
-from ..crash_states import CrashState, distinct, probe_specs, save_files
+from ..crash_states import CrashState, distinct, probe_specs, same_directory_note, save_files
 from ..failures import stderr_tail
 from ..process import ProcessResult, RunSpec
 from ..recording import UnreplayableTrace
@@ -153,9 +153,7 @@ def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: st
                                        failing=tuple(s.label for s, _, _ in failures), distinct=len(same)))
     if failures:
         state, problem, result = failures[0]
-        if same[state]:
-            problem += (f" (power cuts before ops {', '.join(s.label for s in same[state][:6])}"
-                        f"{' ...' if len(same[state]) > 6 else ''} leave the same directory)")
+        problem += same_directory_note(same[state], "power cuts before ops")
         others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])
         raise session.fail(
             check, spec, f"after a {state.description}, {problem}",

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import evidence
-from ..crash_states import CrashState, build_state, crash_states, distinct, probe_specs
+from ..crash_states import CrashState, build_state, crash_states, distinct, probe_specs, same_directory_note
 from ..failures import stderr_tail
 from ..process import ProcessResult, RunSpec
 from ..recording import UnreplayableTrace
@@ -115,10 +115,7 @@ def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None,
     if failures:
         state, problem, result = failures[0]
         others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])
-        alike = same[state]
-        if alike:
-            problem += (f" (states {', '.join(s.label for s in alike[:6])}{' ...' if len(alike) > 6 else ''} "
-                        "leave the same directory)")
+        problem += same_directory_note(same[state], "states")
         raise session.fail(
             check, spec, f"in the state a {state.description} leaves, {problem}",
             details=f"  state {state.label}: newest committed checkpoint then: step {state.newest_committed}"
