@@ -82,20 +82,28 @@ class _PathMap:
         return True
 
 
+def _in_order(run: RecordedRun, upto: int | None) -> list[int]:
+    """The mutations two runs must make alike, in the order they must agree on: as they happened
+    for one thread; each save's operations thread by thread when several threads wrote (how
+    threads interleave is a race, not a property of the trainer)."""
+    chosen = run.mutations if upto is None else run.mutations[:upto]
+    if not any(run.ops[i].lane for i in chosen):
+        return list(chosen)
+    return sorted(chosen, key=lambda i: (run.ops[i].rank, run.ops[i].save, run.ops[i].lane, i))
+
+
 def align(first: RecordedRun, second: RecordedRun, *, upto: int | None = None) -> Alignment:
     """Align the mutations of two runs that started from the same directory (the first `upto`
-    of the second run's, if given: a killed run is compared up to its kill)."""
-    ma, mb = first.mutations, second.mutations
-    if upto is not None:
-        mb = mb[:upto]
-        ma = ma[:upto]
+    of the second run's, if given: a killed run is compared up to its kill). Each operation must
+    belong to the same save, on the same thread of it, in the same order."""
+    ma, mb = _in_order(first, upto), _in_order(second, upto)
     paths = _PathMap(first.preexisting)
     names: list[RunRandomName] = []
     for k in range(max(len(ma), len(mb))):
         oa = first.ops[ma[k]] if k < len(ma) else None
         ob = second.ops[mb[k]] if k < len(mb) else None
         same = (oa is not None and ob is not None and oa.kind == ob.kind and oa.syscall == ob.syscall
-                and oa.after_step == ob.after_step and paths.match(oa.path, ob.path)
+                and oa.save == ob.save and oa.lane == ob.lane and paths.match(oa.path, ob.path)
                 and paths.match(oa.target, ob.target))
         if not same:
             return Alignment(tuple(names), Divergence(k, _describe(first, oa), _describe(second, ob)), k)

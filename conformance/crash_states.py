@@ -215,8 +215,8 @@ def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
     replayer = Replayer()
     for op in run.ops:
         replayer.apply(op)
-        if op.mutation and op.after_step:
-            written.setdefault(op.after_step, set()).update(p for p in (op.path, op.target) if p)
+        if op.mutation and op.save:
+            written.setdefault(op.save, set()).update(p for p in (op.path, op.target) if p)
         if op.index in ends:
             s = ends[op.index]
             finals[s] = {p: bytes(b) for p, b in replayer.files.items() if not p.startswith("/")
@@ -232,7 +232,7 @@ def _save_complete_before(run: RecordedRun) -> dict[int, bool]:
     out: dict[int, bool] = {}
     replayer = Replayer()
     for op in run.ops:
-        s = op.after_step
+        s = op.save
         final = finals.get(s)
         out[op.index] = bool(s and final) and all(replayer.files.get(p) == b for p, b in final.items())
         replayer.apply(op)

@@ -46,7 +46,7 @@ def error_points(run: recording.RecordedRun) -> list[int]:
     writes, syncs and namespace changes inside a save (`run`: one process, or one rank's own run)."""
     points = run.crash_points()
     return [n for n, k in enumerate(points) if run.ops[run.mutations[k]].syscall in ERROR_SYSCALLS
-            and run.ops[run.mutations[k]].after_step]
+            and run.ops[run.mutations[k]].save]
 
 
 def _landed(kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun, *, error: bool) -> None:

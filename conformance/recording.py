@@ -7,9 +7,9 @@ written elsewhere and later renamed in, the loss-log writes that mark step bound
 files a run opened for reading. Scenarios, crash states, strategies and the checks ask it; none
 of them reads a trace or recomputes these facts.
 
-A save is the set of operations between logging step s and logging step s+1 (the trainer has moved
-on once it logs s+1, believing the save done); it is committed before operation i when all of its
-operations come before i.
+A save is a logical unit learned from the run (saves.py: the logging thread's operations between
+logging step s and s+1, or a save in flight on another thread, whenever its commit lands); it is
+committed before operation i when all of its operations come before i.
 
 A multi-rank job is recorded rank by rank (each rank's own trace, its own steps) and merged into
 one run in the order the operations happened (strace's -ttt entry times, one clock for all
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from . import strace
 from .process import ProcessResult, RunSpec, rank_log
+from .saves import attribute_saves
 
 # Operations that change the directory or a file's bytes (crash points are drawn among these).
 MUTATIONS = frozenset({"mkdir", "create", "write", "copy", "truncate", "rename", "unlink", "rmdir", "link",
@@ -67,6 +68,8 @@ class Op:
     local: int = -1            # its index in its rank's own run (jobs; -1 for a single process)
     effect: bool = True        # False: a mkdir that found the directory there (another rank made it)
     signalled: bool = False    # the suite injected a signal (SIGTERM) at this call
+    save: int = 0              # the step of the save it belongs to (0: none; see attribute_saves)
+    lane: int = 0              # its thread within that save: 0 the logging thread, 1.. other threads
 
     @property
     def mutation(self) -> bool:
@@ -97,7 +100,7 @@ class RecordedRun:
     reads: frozenset[str]                    # files under the checkpoint directory opened for reading
     preexisting: frozenset[str] = frozenset()  # relative paths present before the run
     unreplayable: str | None = None          # why crash states cannot be rebuilt from this run
-    ranks: dict[int, "RecordedRun"] = dataclasses.field(default_factory=dict)   # jobs: each rank's own run
+    ranks: dict[int, RecordedRun] = dataclasses.field(default_factory=dict)   # jobs: each rank's own run
 
     is_job = property(lambda self: bool(self.ranks), doc="a multi-rank job (its ranks' runs merged)")
 
@@ -108,7 +111,7 @@ class RecordedRun:
 
     writers = property(lambda self: len(self._writer_tids), doc="threads that wrote anywhere (see scenario.py)")
 
-    def rank_view(self, rank: int) -> "RecordedRun":
+    def rank_view(self, rank: int) -> RecordedRun:
         """Rank `rank`'s own run (a single process is its own rank 0)."""
         if not self.ranks:
             if rank:
@@ -144,11 +147,12 @@ class RecordedRun:
     def _windows(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
         for i in self.mutations:
-            out.setdefault(self.ops[i].after_step, []).append(i)
+            out.setdefault(self.ops[i].save, []).append(i)
         return out
 
     def windows(self) -> dict[int, list[int]]:
-        """Step s -> op indices of the mutations made between logging s and logging s+1."""
+        """Step s -> op indices of the mutations of the save of step s (0: outside any save), in
+        the order they happened."""
         return self._windows
 
     def saves(self) -> list[int]:
@@ -160,25 +164,30 @@ class RecordedRun:
         return max((s for s, idxs in self.windows().items() if s and idxs[-1] < op_index), default=0)
 
     def committed_by_step(self, step: int) -> int:
-        """The newest save finished when step `step` + 1 is about to be logged (0: none)."""
-        return max((s for s in self.windows() if 0 < s <= step), default=0)
+        """The newest save finished when step `step` + 1 is about to be logged (0: none): a save in
+        flight counts only once its last operation came before that log line."""
+        return max((s for s, idxs in self.windows().items() if 0 < s <= step and self.ops[idxs[-1]].after_step <= step),
+                   default=0)
 
     def in_progress(self, op_index: int) -> int | None:
         """The save op `op_index` belongs to, or None outside any save."""
-        return self.ops[op_index].after_step or None
+        return self.ops[op_index].save or None
 
     def position_in_save(self, op_index: int) -> int:
-        """1-based position of op `op_index` among its save's mutations (its rank's, in a job)."""
-        rank = self.ops[op_index].rank
-        same = [i for i in self.windows().get(self.ops[op_index].after_step, []) if self.ops[i].rank == rank]
+        """1-based position of op `op_index` among its save's mutations on its thread (its rank's,
+        in a job): the same in every run, however threads interleave."""
+        me = self.ops[op_index]
+        same = [i for i in self.windows().get(me.save, []) if self.ops[i].rank == me.rank and self.ops[i].lane == me.lane]
         return same.index(op_index) + 1
 
     def role(self, op_index: int) -> str:
-        """What an operation is, independent of run-random names: its place in its save."""
-        op, s = self.ops[op_index], self.ops[op_index].after_step
+        """What an operation is, independent of run-random names and of how threads interleave:
+        its place in its save, on its thread."""
+        op, s = self.ops[op_index], self.ops[op_index].save
         where = f"the save of step {s}" if s else "the start of the run"
         who = f"rank {op.rank}'s " if self.ranks else ""
-        return f"{who}{op.kind} #{self.position_in_save(op_index)} of {where}"
+        thread = f" (background thread {op.lane})" if op.lane else ""
+        return f"{who}{op.kind} #{self.position_in_save(op_index)} of {where}{thread}"
 
     def committed_at(self, ts: float) -> int:
         """The newest save all of whose operations (every rank's) were entered before time `ts`."""
@@ -304,7 +313,7 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
             path = rel(strace.fd_path(args[0]))
             if path is None:
                 continue
-            add(sc, "write", path, data=_written_bytes(sc), fd=strace.fd_number(args[0]),
+            add(sc, "write", path, data=strace.written_bytes(sc), fd=strace.fd_number(args[0]),
                 offset=int(args[3]) if call in ("pwrite64", "pwritev", "pwritev2") and len(args) > 3 else None)
         elif call in ("sendfile", "copy_file_range", "splice"):
             out_arg, in_arg, off_arg = ((args[0], args[1], args[2]) if call == "sendfile" else
@@ -389,6 +398,9 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
     kept = [op for op in ops if op.inside or op.kind == "log"
             or any(op.path == f or op.path.startswith(f + "/") for f in feeding)]
     kept = [dataclasses.replace(op, index=i, local=i if rank is not None else -1) for i, op in enumerate(kept)]
+    logging_tids = {sc.tid for sc in step_logs.values()}
+    main_tid = min(logging_tids) if logging_tids else (syscalls[0].tid if syscalls else 0)
+    kept = attribute_saves(kept, main_tid, spec.save_every)
     run = RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(reads), preexisting,
                       "; ".join(dict.fromkeys(unreplayable)) or None)
     run._first_to_reach = first_to_reach
@@ -406,15 +418,3 @@ def _logged_step(sc: strace.Syscall, previous: int, ordered_steps) -> int:
     except (ValueError, KeyError, TypeError, IndexError):
         pass
     return next(ordered_steps, previous + 1)
-
-
-def _written_bytes(sc: strace.Syscall) -> bytes | None:
-    """The bytes a successful write call wrote, or None if the trace cut them short."""
-    n = sc.value or 0
-    try:
-        if sc.name in ("write", "pwrite64"):
-            return strace.decode_string(sc.args[1])[:n]
-        parts = re.findall(r'iov_base=("(?:[^"\\]|\\.)*"(?:\.\.\.)?)', sc.args[1])
-        return b"".join(strace.decode_string(p) for p in parts)[:n]
-    except (ValueError, IndexError):
-        return None

@@ -48,7 +48,7 @@ def _ordered_fs(baseline: RecordedRun, only_inside: bool, from_end: bool = False
     """Ordinals of `fs:i` crash points (into the targetable mutations), most telling first; with
     `from_end`, each save's writes from its last one backwards, then its other operations."""
     targetable = baseline.crash_points()
-    owner = {k: baseline.ops[baseline.mutations[k]].after_step for k in targetable}
+    owner = {k: baseline.ops[baseline.mutations[k]].save for k in targetable}
     pivot = _middle_save(baseline)
     ordinals = [n for n, k in enumerate(targetable) if not only_inside or owner[k]]
     if not ordinals:

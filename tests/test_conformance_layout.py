@@ -14,12 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 # conformance's modules, lowest layer first: a module imports only from its own layer or below.
 LAYERS = [
     {"crash", "process", "strace", "settings", "evidence", "readme", "adapters", "corrupt", "child", "launch", "coldstore"},
-    {"recording", "alignment", "failures", "plots", "watchdog"},
+    {"recording", "saves", "alignment", "failures", "plots", "watchdog"},
     {"runners", "forkserver", "rank", "attach"},
     {"delivery", "scenario", "crash_states", "powerloss", "faults", "strategies"},
     {"checks"},
     {"expected", "report", "suite", "plugin", "__main__", "bench", "test_conformance", "__init__", "usage", "init",
-     "levels"},
+     "levels", "soak", "bench_ab"},
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from .. import evidence, strace
 from ..crash import CrashPoint
-from ..failures import describe_ranks, format_mismatches, loss_mismatches, max_abs_diff, rank_mismatches, stderr_tail
+from ..failures import (
+    describe_ranks,
+    format_mismatches,
+    loss_mismatches,
+    max_abs_diff,
+    rank_mismatches,
+    stderr_tail,
+)
 from ..process import RunSpec, rank_log
 from ..runners import Tracing
 from .schedules import _fail, describe_crashes, trial
@@ -90,19 +97,21 @@ def reshard(session: Session, check: str, spec: RunSpec, direction: str, _case) 
     ckpt = workdir / "ckpt"
     ckpt.mkdir()
     first_spec = spec.but(world_size=saved_w, torchrun=True)
-    # Rank 0 killed as it logs step+2 (by strace, exactly): the save of `step` had completed on
-    # every rank once step+1 was logged.
+    # Rank 0 killed (by strace, exactly) as it logs the step after `done`: one step after the
+    # baseline had the save of `step` committed on every rank (at once for a save done before the
+    # next step is logged; later for one in flight across steps: learned from the recording).
+    done = next((k for k in range(step, spec.total_steps) if base.committed_by_step(k) >= step), step) + 1
     log = workdir / "first-loss.jsonl"
     tracing = Tracing.each(first_spec, workdir / "first.strace", lambda f: strace.inject_on_path_argv(
-        f, "write", step + 2, str(rank_log(log, 0, saved_w))), ranks=[0])
+        f, "write", done + 1, str(rank_log(log, 0, saved_w))), ranks=[0])
     first = session.runner.run_process(session.adapter, first_spec, ckpt, log, tracing=tracing)
     first.traces = {}
     how = f"saved by {saved_w} rank(s) at step {step}, resumed by {resumed_w}"
     rows = loss_mismatches(base.losses, first.losses, session.tol)
-    if rows or max(first.losses, default=0) <= step:
+    if rows or max(first.losses, default=0) < done:
         raise session.fail(check, spec, f"with {saved_w} rank(s) the global loss is not the {spec.world_size}-rank "
                            "run's (does the trainer keep the global batch fixed across world sizes?)"
-                           if rows else f"the {saved_w}-rank job did not reach step {step + 1} (exit "
+                           if rows else f"the {saved_w}-rank job did not reach step {done} (exit "
                            f"{first.returncode})",
                            details=("  first differing steps:\n" + format_mismatches(rows)) if rows else
                            "  stderr:\n" + stderr_tail(first.stderr))

@@ -1,0 +1,87 @@
+"""Which save each recorded operation belongs to, and on which of its threads: a save is a logical
+unit learned from the run, not the window between two log lines (a save in flight across steps
+commits whenever its background write is done). `recording.build` asks `attribute_saves`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .recording import Op
+
+_COMMIT_LIKE = frozenset({"rename", "link", "symlink", "unlink", "rmdir"})
+
+
+def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
+    """Each operation with the save it belongs to (`save`) and its thread within it (`lane`).
+
+    - The logging thread's operations between logging step s and s+1 are the save of step s.
+    - Another thread's operations are a save in flight, whenever its commit lands. It belongs to
+      the save whose files it touches (a file or directory a save created), else to the oldest
+      save step (a multiple of SAVE_EVERY, as the command contract has it) already logged that no
+      save has taken yet; with none left, to the newest save (a second writer thread of it).
+    - A thread that was already writing begins a new save when it creates a file or directory
+      after a commit-like operation (rename, link, symlink, unlink, rmdir, a directory fsync)
+      while a logged save step is still untaken.
+    - The logging thread's operations at a step that is no save step, while a save begun on
+      another thread is in flight, belong to that save (a commit or retention the main thread
+      does once the background write finished); so do its operations on that save's files at a
+      save step, and the ones after them until it creates something (the next save begins).
+    Neither a wall clock nor how far the background thread lags decides anything, so every run of
+    a deterministic trainer gets the same attribution, provided it takes every save step in
+    order (at most one save in flight, none skipped)."""
+    every = max(1, save_every)
+    dirs = {"."}
+    owner: dict[str, int] = {}          # path -> the save that created it
+    current: dict[int, int] = {}        # thread -> the save its operations belong to now
+    previous: dict[int, Op] = {}        # thread -> its last operation
+    taken: set[int] = set()             # save steps some save already took
+    newest = 0                           # the newest save so far
+    in_flight = 0                        # the newest save begun on another thread
+    finishing: tuple[int, int] | None = None   # (save, step): the main thread is committing that save
+    lanes: dict[int, dict[int, int]] = {}   # save -> thread -> lane
+    out: list[Op] = []
+
+    def untaken(logged: int) -> int | None:
+        return next((c for c in range(every, logged + 1, every) if c not in taken), None)
+
+    for op in ops:
+        if op.kind == "log":
+            out.append(op)
+            continue
+        made = max(owner.get(op.path, 0), owner.get(op.path.rpartition("/")[0] or ".", 0))
+        if op.tid == main_tid:
+            w = op.after_step
+            save = in_flight if (in_flight and in_flight < w < in_flight + every and w % every) else w
+            if in_flight and made == in_flight != save:
+                finishing = (in_flight, w)     # the main thread commits the save in flight
+            elif finishing is not None and (finishing[1] != w or op.kind in ("create", "mkdir")):
+                finishing = None
+            if finishing is not None:
+                save = finishing[0]
+        else:
+            before = previous.get(op.tid)
+            free = untaken(op.after_step)
+            if made and made >= newest and made > current.get(op.tid, 0):
+                current[op.tid] = made
+            elif op.tid not in current:
+                current[op.tid] = free if free is not None else newest
+            elif free is not None and op.kind in ("create", "mkdir") and before is not None and (
+                    before.kind in _COMMIT_LIKE or (before.kind == "fsync" and before.path in dirs)):
+                current[op.tid] = free
+            save = current[op.tid]
+            in_flight = max(in_flight, save)
+        if op.mutation and save:
+            taken.add(save)
+            newest = max(newest, save)
+        if op.kind == "mkdir":
+            dirs.add(op.path)
+        if op.kind in ("create", "mkdir"):
+            owner[op.path] = save
+        if op.kind in ("rename", "link") and op.target:
+            owner[op.target] = save
+        if op.mutation:
+            previous[op.tid] = op
+        threads = lanes.setdefault(save, {main_tid: 0})
+        out.append(dataclasses.replace(op, save=save, lane=threads.setdefault(op.tid, len(threads))))
+    return out

@@ -1,0 +1,136 @@
+"""Meta-tests of how a recorded run's operations are attributed to saves (`recording.attribute_saves`)
+and of what two runs must make alike (`alignment.align`): saves in flight across steps, writer
+threads (one long-lived, or one per save), a commit the main thread does later, and the order in
+which threads interleave, which is a race and no property of the trainer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from conformance import alignment, recording, strace
+from conformance.process import ProcessResult, RunSpec
+
+ROOT, LOG = Path("/ck"), Path("/other/loss.jsonl")
+MAIN = 100
+
+
+def log(step: int, tid: int = MAIN) -> str:
+    return f'{tid}  write(7</other/loss.jsonl>, "{{\\"step\\": {step}, \\"loss\\": 0.5}}\\n", 27) = 27'
+
+
+def staged_save(step: int, tid: int, fd: int = 3) -> list[str]:
+    """A commit-marker style save: a temp directory, a file, its fsync (no commit yet)."""
+    tmp = f"/ck/.tmp-ckpt-{step}"
+    return [f'{tid}  mkdir("{tmp}", 0777) = 0',
+            f'{tid}  openat(AT_FDCWD</run>, "{tmp}/model", O_WRONLY|O_CREAT|O_TRUNC|O_CLOEXEC, 0644) = {fd}<{tmp}/model>',
+            f'{tid}  write({fd}<{tmp}/model>, "w{step}", 2) = 2',
+            f'{tid}  fsync({fd}<{tmp}/model>) = 0']
+
+
+def commit(step: int, tid: int) -> list[str]:
+    return [f'{tid}  rename("/ck/.tmp-ckpt-{step}", "/ck/ckpt-{step}") = 0',
+            f'{tid}  fsync(9</ck>) = 0']
+
+
+def build(lines: list[str], total: int = 9, every: int = 3) -> recording.RecordedRun:
+    losses = {s: 0.5 for s in range(1, total + 1)}
+    return recording.build(strace.parse("\n".join(lines) + "\n"), RunSpec(total, every, 0),
+                           ProcessResult(0, losses, ""), ROOT, LOG)
+
+
+def saves_of(run: recording.RecordedRun) -> list[tuple[str, int, int]]:
+    return [(run.ops[i].kind, run.ops[i].save, run.ops[i].lane) for i in run.mutations]
+
+
+def in_flight_run(writer_late: bool = False, interleave: int = 0) -> list[str]:
+    """Saves at 3 and 6 on one long-lived writer thread (200), each committed two steps after it
+    began. `writer_late`: the writer staged save 6 only after step 7 was logged. `interleave`
+    moves the writer's first operations past that many more main-thread log lines."""
+    lines = [log(1), log(2), log(3)]
+    first = staged_save(3, 200)
+    lines += first[:1 + interleave] + [log(4)] + first[1 + interleave:] + [log(5)] + commit(3, 200)
+    lines += [log(6)]
+    second = staged_save(6, 200)
+    if writer_late:
+        lines += [log(7)] + second + [log(8)] + commit(6, 200) + [log(9)]
+    else:
+        lines += second + [log(7), log(8)] + commit(6, 200) + [log(9)]
+    return lines
+
+
+def test_a_sync_save_is_the_window_between_two_log_lines():
+    run = build([log(1), log(2), log(3)] + staged_save(3, MAIN) + commit(3, MAIN) + [log(4), log(5), log(6)]
+                + staged_save(6, MAIN) + commit(6, MAIN) + [log(7), log(8), log(9)])
+    assert {s for _, s, _ in saves_of(run)} == {3, 6}
+    assert all(lane == 0 for _, _, lane in saves_of(run))
+    assert run.committed_by_step(3) == 3 and run.committed_by_step(5) == 3 and run.committed_by_step(6) == 6
+
+
+def test_a_save_in_flight_across_steps_belongs_to_the_step_it_began_at():
+    run = build(in_flight_run())
+    assert [s for _, s, _ in saves_of(run)] == [3] * 6 + [6] * 6
+    assert all(lane == 1 for _, _, lane in saves_of(run))
+    # Save 3 commits after step 5 is logged: a kill while step 4 or 5 trains has only scratch.
+    assert [run.committed_by_step(k) for k in range(1, 10)] == [0, 0, 0, 0, 3, 3, 3, 6, 6]
+    rename3 = next(i for i in run.mutations if run.ops[i].kind == "rename")
+    synced = next(i for i in run.mutations if i > rename3)     # the directory's fsync ends the save
+    assert run.committed_before(rename3) == 0 and run.committed_before(synced) == 0
+    assert run.committed_before(synced + 1) == 3
+    assert run.in_progress(rename3) == 3
+    assert run.role(rename3) == "rename #5 of the save of step 3 (background thread 1)"
+
+
+def test_a_writer_that_starts_a_save_after_the_next_step_was_logged_still_takes_the_oldest_save_step():
+    run = build(in_flight_run(writer_late=True))
+    assert [s for _, s, _ in saves_of(run)] == [3] * 6 + [6] * 6
+
+
+def test_a_thread_per_save_is_attributed_like_a_long_lived_writer():
+    lines = [log(1), log(2), log(3)] + staged_save(3, 201) + [log(4), log(5)] + commit(3, 201) + [log(6)]
+    lines += [log(7)] + staged_save(6, 202) + [log(8)] + commit(6, 202) + [log(9)]
+    run = build(lines)
+    assert [s for _, s, _ in saves_of(run)] == [3] * 6 + [6] * 6
+
+
+def test_a_second_writer_thread_joins_the_save_whose_directory_it_writes_into():
+    lines = [log(1), log(2), log(3)] + staged_save(3, 200)
+    lines += [log(4), '201  openat(AT_FDCWD</run>, "/ck/.tmp-ckpt-3/optim", O_WRONLY|O_CREAT|O_TRUNC, 0644) = 5</ck/.tmp-ckpt-3/optim>',
+              '201  write(5</ck/.tmp-ckpt-3/optim>, "o", 1) = 1'] + commit(3, 200) + [log(5), log(6)]
+    run = build(lines, total=6)
+    assert {(s, lane) for _, s, lane in saves_of(run)} == {(3, 1), (3, 2)}
+
+
+def test_a_commit_the_main_thread_makes_later_belongs_to_the_save_in_flight():
+    lines = [log(1), log(2), log(3)] + staged_save(3, 200) + [log(4)] + commit(3, MAIN) + [log(5), log(6)]
+    run = build(lines, total=6)
+    assert [(s, lane) for _, s, lane in saves_of(run)] == [(3, 1)] * 4 + [(3, 0)] * 2
+    assert run.committed_by_step(4) == 3 and run.committed_by_step(3) == 0
+
+
+def test_the_interleaving_of_threads_does_not_count_as_a_difference_between_runs():
+    a, b = build(in_flight_run()), build(in_flight_run(interleave=2))
+    assert [run.ops[i].after_step for run in (a, b) for i in run.mutations[1:2]] == [4, 3]   # timing differs
+    lined_up = alignment.align(a, b)
+    assert lined_up.divergence is None and lined_up.compared == 12
+
+
+def test_a_thread_that_writes_something_else_is_a_difference_named_in_both_runs():
+    other = in_flight_run()
+    other[other.index(staged_save(6, 200)[2])] = '200  write(3</ck/.tmp-ckpt-6/model>, "w6", 2) = 2\n' \
+        '200  write(3</ck/.tmp-ckpt-6/model>, "x", 1) = 1'
+    lined_up = alignment.align(build(in_flight_run()), build("\n".join(other).splitlines()))
+    assert lined_up.divergence is not None
+    assert "fsync #4 of the save of step 6 (background thread 1): fsync .tmp-ckpt-6/model" == lined_up.divergence.first
+    assert "write #4 of the save of step 6 (background thread 1): write 1 bytes to .tmp-ckpt-6/model" \
+        == lined_up.divergence.second
+
+
+def test_a_commit_the_main_thread_makes_at_the_next_save_step_belongs_to_the_save_in_flight():
+    # save_every 2: save 2's background write is committed by the main thread only at step 4,
+    # just before save 4 begins.
+    lines = [log(1), log(2)] + staged_save(2, 200) + [log(3), log(4)] + commit(2, MAIN)
+    lines += [f'{MAIN}  unlink("/ck/ckpt-0-old") = 0'] + staged_save(4, MAIN, fd=4) + commit(4, MAIN) + [log(5), log(6)]
+    run = build(lines, total=6, every=2)
+    assert [(k, s) for k, s, _ in saves_of(run)] == [
+        ("mkdir", 2), ("create", 2), ("write", 2), ("fsync", 2), ("rename", 2), ("fsync", 2), ("unlink", 2),
+        ("mkdir", 4), ("create", 4), ("write", 4), ("fsync", 4), ("rename", 4), ("fsync", 4)]
+    assert run.committed_by_step(3) == 0 and run.committed_by_step(4) == 4
