@@ -25,7 +25,7 @@ def test_the_catalogue_names_registered_checks():
 
 @pytest.mark.parametrize("adapter", CORRECT_TRAINERS)
 def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter):
-    if adapter.startswith("fixtures.commit_marker_trainer"):
+    if adapter.startswith(("fixtures.commit_marker_trainer", "fixtures.inflight_trainer")):
         pytest.importorskip("safetensors", reason="the commit-marker trainer needs the 'safetensors' extra")
     if adapter.startswith("fixtures.careful_loop"):
         pytest.importorskip("torchdata", reason="the careful loop needs the 'torchdata' extra")
@@ -37,7 +37,10 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
     # job deliveries). Its `ci` verdicts are measured by soak runs (docs/running.md, "Delivery").
     # The temp-name variants differ from the reference trainer only in how temp files are named:
     # one (mkstemp) runs `ci`, the other four `quick` (every check still learns their names).
-    profile = "quick" if load_object(adapter).world_size > 1 or (
+    # So do the variants of a trainer run here under `ci`: a writer thread per save (of the
+    # in-flight trainer) and keeping one checkpoint (of the reference trainer).
+    variants = ("fixtures.inflight_trainer:THREAD_PER_SAVE", "fixtures.keep_one_trainer:ADAPTER")
+    profile = "quick" if load_object(adapter).world_size > 1 or adapter in variants or (
         adapter.startswith("fixtures.temp_names:") and adapter != "fixtures.temp_names:MKSTEMP") else "ci"
     verdicts, out = run_suite(f"--adapter={adapter}", f"--hypothesis-profile={profile}")
     assert verdicts, out[-3000:]
@@ -77,6 +80,9 @@ def test_broken_trainer_fails_with_the_intended_check(run_suite, trainer):
     bug, check = CATALOGUE[trainer]
     if trainer in ("chain_retention_drops_base", "chain_latest_before_write", "compressed_piece_without_length"):
         pytest.importorskip("zstandard", reason=f"{trainer} compresses: it needs the 'compression' extra")
+    if trainer.startswith("inflight_"):
+        pytest.importorskip("safetensors", reason=f"{trainer} writes commit-marker checkpoints: it needs the "
+                            "'safetensors' extra")
     if trainer in ("cold_without_marker", "branch_overwrites", "rotation_drops_best"):
         pytest.importorskip("fsspec", reason=f"{trainer} has a cold tier: it needs the 'cold' extra")
     verdicts, out = run_suite(f"--adapter=fixtures.broken.{trainer}:ADAPTER",

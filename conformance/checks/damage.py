@@ -15,8 +15,10 @@ from pathlib import Path
 
 from .. import evidence
 from ..corrupt import corrupt
+from ..crash_states import Replayer, save_files
 from ..failures import format_mismatches, loss_mismatches, max_abs_diff
 from ..process import ProcessResult, RunSpec
+from ..recording import Op, RecordedRun
 from .common import copy_prefix, plot_mismatch
 from .session import Session
 from .states import STATE_WORKERS
@@ -44,12 +46,46 @@ def damage_targets(session: Session, spec: RunSpec, newest_files: list[Path], ck
     return sorted(found, key=lambda p: (-(ckpt / p).stat().st_size, p))
 
 
+def saves_held(run: RecordedRun) -> dict[int, frozenset[str]]:
+    """Step s -> the files of save s (crash_states.save_files), for each save whose files are all
+    still in the checkpoint directory when the recorded run ends, holding the bytes that save left:
+    the checkpoints a resume from that directory can fall back to. A save whose files retention
+    deleted, or that a later save rewrote under the same name (Lightning's `last.ckpt`), is not held.
+
+    The run need not be recorded with data: a write whose bytes the trace cut short (and a copy,
+    whose bytes come from elsewhere) is replayed with stand-in bytes of its own, unique to the
+    operation, so a file ends holding its save's bytes exactly when nothing after the save changed
+    it."""
+    stand_in = dataclasses.replace(run, ops=tuple(_with_stand_in_bytes(op) for op in run.ops))
+    finals = save_files(stand_in)
+    end = Replayer()
+    for op in stand_in.ops:
+        end.apply(op)
+    return {s: frozenset(files) for s, files in sorted(finals.items())
+            if files and all(end.files.get(p) == data for p, data in files.items())}
+
+
+def _with_stand_in_bytes(op: Op) -> Op:
+    if op.kind == "copy" or (op.kind == "write" and op.data is None):
+        return dataclasses.replace(op, kind="write", data=b"\0stand-in for op #%d\0" % op.index,
+                                   offset=op.offset if op.kind == "write" else None, target="", length=0)
+    return op
+
+
+def fallback_step(held: dict[int, frozenset[str]], stop: int) -> int:
+    """The newest checkpoint older than step `stop` that the directory holds whole (0: none, and
+    starting from scratch is right when the checkpoint of `stop` is damaged)."""
+    return max((s for s in held if s < stop), default=0)
+
+
 def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, only: str | None = None) -> int:
     """Damage (truncate, bitflip, delete) each file a resume from the newest checkpoint reads, one
-    per resume; for each, the trainer falls back to an intact checkpoint or exits non-zero with a
-    message. Returns the number of files damaged."""
+    per resume; for each, the trainer falls back to the newest intact checkpoint that the directory
+    really holds (see saves_held; from scratch if it holds none) or exits non-zero with a message.
+    Returns the number of files damaged."""
     prefix, stop = session.prefix(spec)
-    previous = stop - spec.save_every
+    held = saves_held(prefix)
+    previous = fallback_step(held, stop)
     d0, newest, _ = copy_prefix(session, spec, f"corrupt-{kind}-list", check)
     targets = damage_targets(session, spec, newest, (d0 / "ckpt").resolve())
     newest_rel = {f.relative_to((d0 / "ckpt").resolve()).as_posix() for f in newest}
@@ -65,7 +101,8 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
         ckpt = (d / "ckpt").resolve()
         what = corrupt(kind, ckpt / rel)
         result = session.runner.run_process(session.adapter, spec, ckpt, (d / "loss.jsonl").resolve())
-        problem, details = judge(session, spec, result, stop, previous, rel in shared)
+        needed = rel in shared or rel in held.get(previous, ())   # the fallback is damaged too
+        problem, details = judge(session, spec, result, stop, previous, needed)
         if problem is None:
             shutil.rmtree(d, ignore_errors=True)
         return Damage(rel, what, result, problem, details)
@@ -97,10 +134,11 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
 
 
 def read_by_previous(session: Session, spec: RunSpec, previous: int, newest: set[str]) -> frozenset[str]:
-    """Files a resume from the previous save reads too, and that the newest save did not write (a
-    chained checkpoint's base, an older manifest): damaging one may make that save unusable as
-    well, and falling back further is then right. A file the newest save rewrote under the same
-    name (Lightning's `last.ckpt`) is not the previous save's."""
+    """Files a resume from the checkpoint of step `previous` (the one to fall back to) reads too,
+    and that the newest save did not write (a chained checkpoint's base, an older manifest):
+    damaging one may make that save unusable as well, and falling back further is then right. A
+    file the newest save rewrote under the same name (Lightning's `last.ckpt`) is not the previous
+    save's. (Damaging one of its own files, see saves_held, does the same.)"""
     if previous < 2 * spec.save_every:
         return frozenset()
     return frozenset(session.files_read_on_resume(spec, previous) - newest)
@@ -121,10 +159,10 @@ def judge(session: Session, spec: RunSpec, result: ProcessResult, stop: int, pre
         # nothing it used. (Its divergence is a resume_matches_baseline problem.)
         rows = []
     if rows:
-        return (f"the trainer loaded a corrupted checkpoint without noticing (resumed from step {r}, exit 0) "
-                "and its loss curve diverges", "\n  first differing steps:\n" + format_mismatches(rows))
+        return ((f"the trainer loaded a corrupted checkpoint without noticing (resumed from step {r}, exit 0) "
+                 "and its loss curve diverges"), "\n  first differing steps:\n" + format_mismatches(rows))
     if r < previous and not previous_needs_it:
         what_r = "from scratch" if r == 0 else f"from step {r}"
-        return (f"after corruption the trainer resumed {what_r} instead of falling back to the newest intact "
-                f"checkpoint (step {previous})", "")
+        return ((f"after corruption the trainer resumed {what_r} instead of falling back to the newest intact "
+                 f"checkpoint (step {previous})"), "")
     return None, ""
