@@ -168,6 +168,7 @@ class SubprocessRunner(_Jobs):
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=err_file, start_new_session=True)
             proc_box.append(proc)
+            watch.follow(proc.pid)
             overrun = None
             while proc.poll() is None:
                 overrun = watch.problem()
@@ -223,9 +224,13 @@ class WarmRunner(_Jobs):
             return self._with_port(lambda port: self._run_job(adapter, target, spec, ckpt_dir, loss_log, tracing,
                                                               stop, port), spec)
         stderr_path = loss_log.with_name(loss_log.name + ".stderr")
-        attach = (lambda pid: attach_strace(list(tracing.ranks[0][0]), pid)) if tracing else None
         start = time.monotonic()
         watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop)
+
+        def attach(pid: int) -> subprocess.Popen | None:
+            watch.follow(pid)
+            return attach_strace(list(tracing.ranks[0][0]), pid) if tracing else None
+
         rc, overrun = self._server(adapter, target).run(target.target, list(target.argv),
                                                         adapter.environment(spec.env(ckpt_dir, loss_log)),
                                                         stderr_path, attach, watch=watch.problem, poll=POLL_S,
@@ -246,6 +251,7 @@ class WarmRunner(_Jobs):
 
         def attach(pid: int):
             job_pid.append(pid)
+            watch.follow(pid)
             return attacher.start()
 
         start = time.monotonic()
@@ -279,7 +285,8 @@ class WarmRunner(_Jobs):
         watch = Watchdog(dataclasses.replace(self.limits, stall_s=self.limits.total_s), second, second_log, [])
         rc, overrun = self._server(adapter, target).run(
             target.target, list(target.argv), adapter.environment(first.env(ckpt_dir, first_log)), stderr_path,
-            watch=watch.problem, poll=POLL_S, then_env=adapter.environment(second.env(ckpt_dir, second_log)),
+            watch.follow, watch=watch.problem, poll=POLL_S,
+            then_env=adapter.environment(second.env(ckpt_dir, second_log)),
             kind=target.kind)
         err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
         return _finish(rc, err, second, second_log, None, start, overrun, watch)

@@ -73,10 +73,12 @@ class Session:
             return value
 
     def limits_after(self, baseline: RecordedRun) -> Limits:
-        """Per-process limits once a baseline's duration is known: ten times it (at least 60 s) in
-        all, and five times it (at least 30 s) without logging a step; --process-timeout caps both."""
+        """Per-process limits once a baseline's duration is known: twenty times it (at least 120 s)
+        in all, since a loaded machine may slow a later run well past its baseline; and five times
+        it (at least 30 s; a job at least Limits.job_stall_s) without progress, which load does not
+        cause (watchdog.progressed). --process-timeout caps both."""
         d = baseline.result.seconds
-        total = self.process_timeout or max(60.0, 10 * d)
+        total = self.process_timeout or max(120.0, 20 * d)
         return Limits(total_s=total, stall_s=min(total, max(30.0, 5 * d)))
 
     def close(self) -> None:

@@ -1,0 +1,56 @@
+"""A warm job that stops making progress is stopped, and the message says what each of its
+processes was doing just before the kill: the last syscall from /proc, and the Python stack
+py-spy reads (watchdog.where)."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import textwrap
+
+import pytest
+
+from conformance.adapters import TrainerAdapter
+from conformance.process import RunSpec
+from conformance.runners import Limits, ProcessOverran, WarmRunner
+
+# Rank 1 logs step 1 and then sleeps for ever; rank 0 waits for it in a barrier.
+STALLS_AFTER_STEP_1 = textwrap.dedent("""\
+    import datetime, json, os, time
+    import torch.distributed as dist
+
+    def rank_one_hangs_here():
+        time.sleep(3600)
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
+    with open(os.environ["CONFORMANCE_LOSS_LOG"] + f".rank{rank}", "a") as log:
+        log.write(json.dumps({"step": 1, "loss": 1.0}) + "\\n")
+    if rank == 1:
+        rank_one_hangs_here()
+    dist.barrier()
+""")
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun")
+def test_a_stalled_warm_job_says_where_each_process_was(tmp_path):
+    script = tmp_path / "stalls.py"
+    script.write_text(STALLS_AFTER_STEP_1)
+    adapter = TrainerAdapter(name="stalls", argv=(sys.executable, str(script)), world_size=2)
+    limits = Limits(total_s=120, stall_s=3)
+    if "job_stall_s" in {f.name for f in dataclasses.fields(Limits)}:
+        limits = dataclasses.replace(limits, job_stall_s=3)   # a job's own floor on "no progress"
+    runner = WarmRunner(limits=limits)
+    (tmp_path / "ckpt").mkdir()
+    log = tmp_path / "loss.jsonl"
+    try:
+        with pytest.raises(ProcessOverran) as caught:
+            runner.run_process(adapter, RunSpec(total_steps=3, save_every=0, seed=0, world_size=2),
+                               tmp_path / "ckpt", log)
+    finally:
+        runner.close()
+    problem = caught.value.problem
+    assert "made no progress" in problem, problem
+    assert problem.count("pid ") >= 2, problem       # both ranks (the agent is listed, not counted)
+    if shutil.which("py-spy"):
+        assert "rank_one_hangs_here" in problem, problem   # the stalled rank's Python stack
