@@ -4,6 +4,7 @@
         --total-steps=14 --save-every=3 --seed=0 --schedule=fs:7      # one case, from a failure message
     python -m conformance report conformance-report/report.json       # re-render a saved report
     python -m conformance soak --runs 5                                # the ci profile N times ("no crying wolf")
+    python -m conformance soak --runs 20 --random --seed 7 --load 2    # fresh seeded draws, under CPU load
     python -m conformance badge conformance-report/report.json         # SVG: the highest conformance level met
     python -m conformance init --framework plain                       # adapter, CI workflow, config; one green run
 """
@@ -13,8 +14,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-DEFAULT_SOAK = "fixtures:CORRECT_TRAINERS"   # adapter specs of the project's correct trainers
 
 
 def _replay(args) -> int:
@@ -74,50 +73,14 @@ def _report(args) -> int:
 
 
 def _soak(args) -> int:
-    """Run the gate (`ci` profile) N times per correct trainer; any failure is a flaky check."""
-    import subprocess
-    import tempfile
-    import time
-
-    from . import report
-    from .adapters import load_object
-    adapters = args.adapter or list(load_object(DEFAULT_SOAK))
-    out_dir = Path(args.out or tempfile.mkdtemp(prefix="conformance-soak-"))
-    failures: list[str] = []
-    rows = []
-    for spec in adapters:
-        for i in range(1, args.runs + 1):
-            run_dir = out_dir / f"{spec.replace(':', '.').replace('/', '_')}-run{i}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
-                   f"--adapter={spec}", f"--hypothesis-profile={args.profile}", f"--conformance-report={run_dir}",
-                   f"--basetemp={run_dir / 'tmp'}", *(["-n", args.workers] if args.workers != "0" else [])]
-            start = time.monotonic()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            seconds = time.monotonic() - start
-            try:
-                loaded = report.load_report(run_dir / "report.json")
-                bad = [(c.check, c.message) for c in loaded.failed]
-                counts = loaded.counts
-            except ValueError as exc:
-                output = (proc.stdout + proc.stderr).strip().splitlines()
-                bad, counts = [("(no report)", f"pytest exited {proc.returncode}: "
-                                f"{output[-1] if output else ''} ({exc})")], {}
-            for check, message in bad:
-                first = message.strip().splitlines()
-                failures.append(f"{spec} run {i}: {check}: {first[0] if first else ''}")
-            rows.append((spec, i, seconds, counts, len(bad)))
-            print(f"{spec} run {i}/{args.runs}: {len(bad)} failure(s), {counts} in {seconds:.0f}s", flush=True)
-    print(f"\nsoak: {len(rows)} run(s) of the '{args.profile}' profile against {len(adapters)} trainer(s); "
-          f"{sum(r[4] > 0 for r in rows)} run(s) with failures. Reports under {out_dir}")
-    for line in failures:
-        print(f"  FAIL {line}")
-    return 1 if failures else 0
+    from .soak import main as soak_main
+    return soak_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .checks import CHECKS, all_check_ids
     from .settings import DEFAULT_GRACE_S, DEFAULT_TOL
+    from .soak import add_arguments as add_soak_arguments
     parser = argparse.ArgumentParser(prog="python -m conformance")
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay one case exactly, from the line a failure printed")
@@ -139,12 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--format", choices=("markdown", "json"), default="markdown")
     rep.add_argument("--out", help="write here instead of stdout")
     so = sub.add_parser("soak", help="run the gate N times against correct trainers; report any failure")
-    so.add_argument("--runs", type=int, default=3)
-    so.add_argument("--adapter", action="append", help="adapter to soak (repeatable); default: the "
-                    "project's correct trainers")
-    so.add_argument("--profile", default="ci")
-    so.add_argument("--workers", default="auto", help="pytest-xdist -n value ('0' for none)")
-    so.add_argument("--out", help="directory for the runs' reports")
+    add_soak_arguments(so)
     ba = sub.add_parser("badge", help="write an SVG badge stating the highest conformance level a report meets")
     ba.add_argument("path", help="report.json written by --conformance-report")
     ba.add_argument("--out", default="conformance-badge.svg", help="where to write the SVG")
