@@ -11,6 +11,13 @@
 - a 2-rank crash trial (the reference DDP trainer under torchrun, one rank killed inside the
   middle save) against the single-process warm trial, and the `ci` wall time for that trainer.
 
+`python -m conformance.bench --ab OLD_CHECKOUT [--rounds N] [--json]` measures instead the warm
+single-process crash trial of this checkout against the same trial run from an older checkout
+(`git worktree add /tmp/old COMMIT`): each side runs in a subprocess of its own with its checkout
+first on sys.path and as its working directory (its own suite, trainer and fork server), the two
+alternating trial by trial (AB, BA, ...); it prints the new/old ratio (median of the per-pair
+ratios, with their spread) and the raw times. A measurement, never a pass/fail.
+
 Targets on 2 cores: trial_vs_import <= 0.1, script_trial_vs_import <= 0.1, integrity_states_per_min >= 1000,
 power_loss_states_per_min >= 1000, ci_profile_seconds <= 90, multirank_trial_vs_single <= 3.0,
 multirank_ci_profile_seconds <= 300.
@@ -314,11 +321,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-ci", action="store_true", help="skip the ci-profile run (it takes a minute)")
     parser.add_argument("--update-readme", metavar="PAGE", help=f"replace the section after {_MARKER} in this "
                         "Markdown page (docs/benchmarks.md)")
+    parser.add_argument("--ab", metavar="OLD_CHECKOUT", help="only the warm crash trial, this checkout against "
+                        "the one at OLD_CHECKOUT (e.g. a `git worktree add` of an older commit), alternating: "
+                        "prints the new/old ratio")
+    parser.add_argument("--rounds", type=int, default=15, help="with --ab: alternating pairs of trials (median)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.ab:
+        from .bench_ab import ab, format_ab
+        ab_result = ab(Path(args.ab), max(1, args.rounds))
+        print(json.dumps(ab_result, indent=1) if args.json else format_ab(ab_result))
+        return 0
     result = run(args.repeats, args.fresh_repeats, not args.no_ci)
     command = "python -m conformance.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.update_readme:

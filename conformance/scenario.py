@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import threading
 from pathlib import Path
 
 from . import recording, strace
@@ -90,6 +91,30 @@ class TrialOutcome:
         return self.crashed[-1].resumed_from if self.crashed else 0
 
 
+class _Background:
+    """A call run in a thread of its own; `result()` waits for it and returns (or raises) what it did."""
+
+    def __init__(self, fn):
+        self._fn, self._value, self._error = fn, None, None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as exc:   # handed to result()
+            self._error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self):
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedule: Schedule, workdir: Path,
                  baseline: recording.RecordedRun, stable: frozenset[str] = frozenset()) -> TrialOutcome:
     """Run `schedule`: each point kills one process (or one rank of a job), the next starts on
@@ -100,6 +125,8 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         shutil.rmtree(ckpt)
     ckpt.mkdir(parents=True)
     crashed: list[CrashedProcess] = []
+    final_log = (workdir / "final-loss.jsonl").resolve()
+    final_run: _Background | None = None
     for i, point in enumerate(schedule):
         own = baseline if i == 0 else traced_run(runner, adapter, spec, workdir, tag=f"p{i}-trace", prepare=ckpt)
         started_from = 0 if i == 0 else own.result.resumed_from(spec)
@@ -127,8 +154,13 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
             nth = log_write_count(own_view, point.index + 1)
             path = str(rank_log(log, point.on_rank, spec.world_size))
         runs: list[ProcessResult] = []
+        # The last kill of a single process is delivered once (a miss raises, never retried), and
+        # the final run needs nothing its landing check computes: the final run starts as soon as
+        # the killed process is gone, and its trace is parsed and checked meanwhile.
+        overlap = i == len(schedule) - 1 and not own.is_job
 
         def attempt(k: PlannedKill) -> recording.RecordedRun:
+            nonlocal final_run
             if by_path:
                 argv_for = lambda f: strace.inject_on_path_argv(f, k.syscall, nth, path)   # noqa: E731
             elif not on_path.counting():
@@ -137,6 +169,8 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
                 argv_for = lambda f: strace.inject_argv(f, k.syscall, k.nth)   # noqa: E731
             tracing = Tracing.each(spec, workdir / f"p{i}-inject.strace", argv_for, ranks=[point.on_rank])
             runs.append(runner.run_process(adapter, spec, ckpt, log, tracing=tracing))
+            if overlap and final_run is None:
+                final_run = _Background(lambda: runner.run_process(adapter, spec, ckpt, final_log))
             return recording.from_result(runs[-1], spec, ckpt, log, preexisting=before).rank_view(point.on_rank)
 
         def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
@@ -151,15 +185,19 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
             snapshot.restore()
             remove_logs(log, spec.world_size)
 
-        kill = deliver(kill, own_view, attempt, check, job=own.is_job,
-                       shifted=own.is_job and point.kind == "fs", reset=reset, counting=on_path.counting)
+        try:
+            kill = deliver(kill, own_view, attempt, check, job=own.is_job,
+                           shifted=own.is_job and point.kind == "fs", reset=reset, counting=on_path.counting)
+        except BaseException:
+            if final_run is not None:
+                final_run.wait()   # the kill did not land: its final run is not used, but it is not left running
+            raise
         result = runs[-1]
         if snapshot is not None:
             snapshot.drop()
         result.killed = True
         crashed.append(CrashedProcess(kill, result, started_from))
-    final_log = (workdir / "final-loss.jsonl").resolve()
-    final = runner.run_process(adapter, spec, ckpt, final_log)
+    final = final_run.result() if final_run is not None else runner.run_process(adapter, spec, ckpt, final_log)
     if crashed:
         crashed[-1].resumed_from = final.resumed_from(spec)
     return TrialOutcome(spec, schedule, crashed, final)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conformance import bench
+from conformance import bench, bench_ab
 from conformance.readme import MarkerMissing, replace_section
 
 
@@ -68,3 +68,98 @@ def test_bench_help_names_the_json_keys():
                 "ci_profile_seconds"):
         assert key in out.stdout
     json.dumps(_result())  # the result is plain JSON
+
+
+# -- the A/B mode: the wiring only (a fake worker, no trainer; what it measures is run by hand) -----
+FAKE_WORKER = r"""
+import json, os, sys
+root = sys.argv[1]
+sys.path.insert(0, root)
+import side   # this checkout's own module, found on its own sys.path
+say = lambda obj: (sys.stdout.write(json.dumps(obj) + "\n"), sys.stdout.flush())
+say({"ready": True, "point": side.NAME, "conformance": os.getcwd()})
+for line in sys.stdin:
+    with open(os.environ["AB_ORDER"], "a") as f:
+        f.write(side.NAME + "\n")
+    say({"s": side.SECONDS})
+"""
+
+
+def _checkout(tmp_path, name, seconds):
+    root = tmp_path / name
+    root.mkdir()
+    (root / "side.py").write_text(f"NAME = {name!r}\nSECONDS = {seconds}\n")
+    return root
+
+
+def test_ab_alternates_the_two_checkouts_each_in_its_own_process(tmp_path, monkeypatch):
+    order = tmp_path / "order"
+    monkeypatch.setenv("AB_ORDER", str(order))
+    new, old = _checkout(tmp_path, "new", 0.3), _checkout(tmp_path, "old", 0.2)
+    r = bench_ab.ab(old, 4, new_root=new, worker=FAKE_WORKER)
+    assert order.read_text().split() == ["new", "old", "old", "new", "new", "old", "old", "new"]
+    assert r["new_vs_old"] == pytest.approx(1.5) and r["ratio_of_medians"] == pytest.approx(1.5)
+    assert r["new_vs_old_spread"] == pytest.approx([1.5, 1.5])
+    d = r["details"]
+    assert d["all_times_s"] == {"new": [0.3] * 4, "old": [0.2] * 4} and len(d["pair_ratios"]) == 4
+    assert (d["new"]["point"], d["old"]["point"]) == ("new", "old")
+    assert (d["new"]["conformance"], d["old"]["conformance"]) == (str(new), str(old))   # each ran in its checkout
+    text = bench_ab.format_ab(r)
+    assert "new/old: 1.500 (median of 4 alternating pairs" in text and "old s: 0.200 0.200 0.200 0.200" in text
+    json.dumps(r)
+
+
+def test_ab_says_why_a_side_did_not_start(tmp_path):
+    with pytest.raises(RuntimeError, match="(?s)exited 3:.*broken checkout"):
+        bench_ab.ab(tmp_path, 1, new_root=tmp_path,
+                 worker="import sys; sys.stderr.write('broken checkout'); sys.exit(3)")
+
+
+def test_ab_command_line_and_the_real_worker_compiles():
+    args = bench.build_parser().parse_args(["--ab", "/tmp/old", "--rounds", "3", "--json"])
+    assert (args.ab, args.rounds, args.json) == ("/tmp/old", 3, True)
+    compile(bench_ab.AB_WORKER, "AB_WORKER", "exec")
+
+
+# -- the warm trial's final run starts while the kill's landing is checked: a miss still raises ------
+BASELINE = """\
+100  openat(AT_FDCWD</run>, "/ck/.a.tmp", O_WRONLY|O_CREAT|O_TRUNC|O_CLOEXEC, 0644) = 3</ck/.a.tmp>
+100  write(3</ck/.a.tmp>, "data", 4) = 4
+100  fsync(3</ck/.a.tmp>) = 0
+100  rename("/ck/.a.tmp", "/ck/a") = 0
+100  write(7</other/loss.jsonl>, "{\\"step\\": 1, \\"loss\\": 0.5}\\n", 27) = 27
+"""
+
+
+class _NeverKills:
+    """A runner whose faulted process runs to its end (the kill never comes); records each run."""
+
+    limits = jobs = None
+
+    def __init__(self):
+        self.runs: list[tuple[bool, str]] = []
+
+    def run_process(self, adapter, spec, ckpt_dir, loss_log, *, tracing=None, stop=None):
+        from conformance.process import ProcessResult
+        self.runs.append((tracing is not None, "started"))
+        result = ProcessResult(0, {1: 0.5}, "", trace_text="")
+        self.runs[-1] = (tracing is not None, "finished")
+        return result
+
+
+def test_a_kill_that_does_not_land_still_fails_the_trial_and_leaves_no_final_run_behind(tmp_path):
+    from pathlib import Path
+
+    from conformance import recording, strace
+    from conformance.crash import CrashPoint
+    from conformance.delivery import CrashNotLanded
+    from conformance.process import ProcessResult, RunSpec
+    from conformance.scenario import run_schedule
+
+    spec = RunSpec(1, 1, 0)
+    base = recording.build(strace.parse(BASELINE), spec, ProcessResult(0, {1: 0.5}, ""), Path("/ck"),
+                           Path("/other/loss.jsonl"))
+    runner = _NeverKills()
+    with pytest.raises(CrashNotLanded, match="was not delivered"):
+        run_schedule(runner, None, spec, (CrashPoint("fs", 1),), tmp_path, base)
+    assert runner.runs == [(True, "finished"), (False, "finished")]   # the final run was waited for
