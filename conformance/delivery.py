@@ -19,6 +19,7 @@ from . import alignment, recording, strace
 from .crash import CrashPoint
 from .process import ProcessResult, copy_checkpoint_dir, remove_checkpoint_dir
 
+
 class CrashNotLanded(AssertionError):
     """The kill did not happen where it was planned: the trainer's filesystem operations are not
     a pure function of its inputs, or the injection was not delivered."""
@@ -293,12 +294,43 @@ def count_ambiguous(kill: PlannedKill, view: recording.RecordedRun) -> bool:
     return any(o.tid != op.tid and o.syscall == op.syscall and o.nth == op.nth for o in view.ops)
 
 
-class PathDelivery:
-    """How a job's fault at an `fs` point goes in (or one in a process with several threads
-    calling: `job` then too): by path (strace -P, see path_delivery) while that is possible and
-    has not missed, else by count. Kills and injected faults share it. A
-    point that can go by count only, where another thread reaches the same count, is not
-    deliverable (CrashPointMissing: another point is drawn)."""
+class Route:
+    """One way of landing a fault, and the proof that it landed: the one place a fault's delivery
+    is chosen (`choose_route`). Kills, storage errors and SIGTERMs all go through one."""
+
+    def counting(self) -> bool:
+        """Whether the next attempt goes by count (only those teach shifts, see deliver)."""
+        return False
+
+    def argv(self, trace_file: Path, kill: PlannedKill, action: str = "signal=KILL", *, data: bool = False) -> list[str]:
+        raise NotImplementedError
+
+    def check(self, kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun,
+              result: ProcessResult, action: str = "signal=KILL") -> None:
+        """Raise CrashNotLanded (KillMissedCount for a miss by count) unless it landed."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class OnLog(Route):
+    """A step point: the rank's nth write to its own loss log (strace -P), exact whatever else the
+    process writes or how its threads race (no count of other calls is involved)."""
+
+    path: str
+    nth: int
+
+    def argv(self, trace_file, kill, action="signal=KILL", *, data=False):
+        return strace.inject_on_path_argv(trace_file, kill.syscall, self.nth, self.path, action=action)
+
+    def check(self, kill, planned, landed, result, action="signal=KILL"):
+        check_landed_on_log(kill, landed)
+
+
+class AtOperation(Route):
+    """An `fs` point (or a step point that needs the whole recording): by path (strace -P, see
+    path_delivery) in a job or a threaded process while its path is the same in every run and has
+    not missed, else by count. A point that can go by count only, where another thread reaches
+    the same count, is not deliverable (CrashPointMissing: another point is drawn)."""
 
     def __init__(self, kill: PlannedKill, view: recording.RecordedRun, stable: frozenset[str], ckpt: Path, *,
                  job: bool):
@@ -312,13 +344,59 @@ class PathDelivery:
     def counting(self) -> bool:
         return self.target is None
 
-    def argv(self, trace_file: Path, kill: PlannedKill, action: str = "signal=KILL") -> list[str]:
+    def by_count(self) -> None:
+        """Go by count from now on (a path delivery traces the faulted rank's calls on that path
+        only; a run whose directory is rebuilt from what it did needs all of them)."""
+        self.target = None
+
+    def argv(self, trace_file, kill, action="signal=KILL", *, data=False):
+        if self.target is None:
+            return strace.inject_argv(trace_file, kill.syscall, kill.nth, action=action, data=data)
         where, count = self.target
         return strace.inject_on_path_argv(trace_file, kill.syscall, count, str(self.ckpt / where), action=action)
 
-    def check(self, kill: PlannedKill, landed: recording.RecordedRun) -> None:
+    def check(self, kill, planned, landed, result, action="signal=KILL"):
+        if self.target is None:
+            if action == "signal=KILL":
+                check_landed(kill, planned, landed, result)
+            else:
+                check_fault_landed(kill, planned, landed, error=action.startswith("error="))
+            return
         try:
             check_landed_on_path(kill, *self.target, landed)
         except CrashNotLanded:
             self.target = None     # the next attempts count calls instead
             raise
+
+
+def choose_route(kill: PlannedKill, view: recording.RecordedRun, stable: frozenset[str], ckpt: Path, rank_log: Path,
+                 *, job: bool, whole_recording: bool = False) -> Route:
+    """How a fault at `kill` lands in the process (or job rank) whose own run is `view`: a step point
+    on its loss log, unless the faulted run must be recorded whole (`whole_recording`); an `fs`
+    point at its operation (`job`: a job, or a process whose calls come from several threads)."""
+    if kill.point.kind == "step" and not whole_recording:
+        return OnLog(str(rank_log), log_write_count(view, kill.point.index + 1))
+    return AtOperation(kill, view, stable, ckpt, job=job)
+
+
+def check_fault_landed(kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun, *,
+                       error: bool) -> None:
+    """For a storage error or a signal delivered by count: raise CrashNotLanded unless it hit the
+    planned operation after the same operations (a step point: the same operations before it)."""
+    k = kill.mutations_before
+    if kill.point.kind == "step":
+        lined_up = alignment.align(planned, landed, upto=k)
+        if lined_up.divergence is not None:
+            raise CrashNotLanded(f"fault at {kill.point} did not land at {kill.text}: "
+                                 + lined_up.divergence.describe("planned run", "faulted run"))
+        return
+    if k >= len(landed.mutations):
+        raise KillMissedCount(f"fault at {kill.point} (planned: {kill.text}) was not delivered: the faulted process "
+                              f"made only {len(landed.mutations)} operations")
+    hit = landed.ops[landed.mutations[k]]
+    lined_up = alignment.align(planned, landed, upto=k + 1)
+    if lined_up.divergence is not None or (error and not hit.error):
+        why = lined_up.divergence.describe("planned run", "faulted run") if lined_up.divergence else \
+            f"operation #{k} did not fail ({hit.describe()})"
+        raise (CrashNotLanded if lined_up.divergence else KillMissedCount)(
+            f"fault at {kill.point} did not land at {kill.text}: {why}")

@@ -11,13 +11,13 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from . import alignment, recording, strace
+from . import recording, strace
 from .adapters import TrainerAdapter
 from .crash import CrashPoint
+from .crash_states import Replayer
+from .delivery import AtOperation, CrashNotLanded, PlannedKill, choose_route, deliver
 from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Stop, Tracing
-from .crash_states import Replayer
-from .delivery import CrashNotLanded, KillMissedCount, PathDelivery, PlannedKill, check_landed_on_log, deliver, log_write_count
 from .scenario import plan
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
@@ -49,27 +49,6 @@ def error_points(run: recording.RecordedRun) -> list[int]:
             and run.ops[run.mutations[k]].save]
 
 
-def _landed(kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun, *, error: bool) -> None:
-    """Raise CrashNotLanded unless the fault hit the planned operation after the same operations."""
-    k = kill.mutations_before
-    if kill.point.kind == "step":
-        lined_up = alignment.align(planned, landed, upto=k)
-        if lined_up.divergence is not None:
-            raise CrashNotLanded(f"fault at {kill.point} did not land at {kill.text}: "
-                                 + lined_up.divergence.describe("planned run", "faulted run"))
-        return
-    if k >= len(landed.mutations):
-        raise CrashNotLanded(f"fault at {kill.point} (planned: {kill.text}) was not delivered: the faulted process "
-                             f"made only {len(landed.mutations)} operations")
-    hit = landed.ops[landed.mutations[k]]
-    lined_up = alignment.align(planned, landed, upto=k + 1)
-    if lined_up.divergence is not None or (error and not hit.error):
-        why = lined_up.divergence.describe("planned run", "faulted run") if lined_up.divergence else \
-            f"operation #{k} did not fail ({hit.describe()})"
-        raise (CrashNotLanded if lined_up.divergence else KillMissedCount)(
-            f"fault at {kill.point} did not land at {kill.text}: {why}")
-
-
 def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: CrashPoint, action: str,
               workdir: Path, baseline: recording.RecordedRun, *, stop: Stop | None = None,
               went_on_until: int | None = None, stable: frozenset[str] = frozenset()) -> FaultOutcome:
@@ -90,30 +69,21 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     log = (workdir / "faulted-loss.jsonl").resolve()
     rank = point.on_rank
     data = went_on_until is not None
-    error = action.startswith("error=")
     own_view = baseline.rank_view(rank)
-    # A step point whose log write another thread's call may beat to its count (always, in a job)
-    # is delivered by path on the (rank's) loss log; in a job an fs point on a
-    # stable path by path on it, as kills are (scenario.run_schedule); a path delivery traces the
-    # faulted rank's calls on that path only, so where the directory may have to be rebuilt from
-    # what that rank did, a process that went on is faulted again by count, with its data.
-    # A signal or an error, unlike a kill, lets the process go on: by count it would also hit any
-    # other thread that reaches the same count later (strace counts per thread).
-    threaded = own_view.threaded
-    by_path = point.kind == "step" and (threaded or not own_view.step_by_count(point.index + 1)) and not data
-    on_path = PathDelivery(kill, own_view, stable, ckpt, job=baseline.is_job or threaded)
-    rank_log_path = str(rank_log(log, rank, spec.world_size))
+    # How the fault lands and is proven to (delivery.choose_route), as kills do: a step point on
+    # the rank's loss log, unless the directory may have to be rebuilt from what the faulted
+    # process did (then it is recorded whole, by count); an fs point by path in a job or a threaded
+    # process where its path is the same in every run. A signal or an error, unlike a kill, lets the
+    # process go on: by count it would also hit any other thread that reaches the same count later
+    # (strace counts per thread), so a threaded process goes by path too.
+    route = choose_route(kill, own_view, stable, ckpt, rank_log(log, rank, spec.world_size),
+                         job=baseline.is_job or own_view.threaded, whole_recording=data)
 
     def argv_for(f: Path, k: PlannedKill) -> list[str]:
         # The faulted rank gets the fault; the others of a job are recorded (with their data, if
         # the directory may have to be rebuilt from what they did).
         if f.name.endswith(f".rank{rank}") or spec.world_size == 1:
-            if by_path:
-                return strace.inject_on_path_argv(f, k.syscall, log_write_count(own_view, point.index + 1),
-                                                  rank_log_path, action=action)
-            if not on_path.counting():
-                return on_path.argv(f, k, action)
-            return strace.inject_argv(f, k.syscall, k.nth, action=action, data=data)
+            return route.argv(f, k, action, data=data)
         return strace.record_argv(f, data=data)
 
     runs: list[tuple[ProcessResult, recording.RecordedRun]] = []
@@ -132,21 +102,17 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
         remove_logs(log, spec.world_size)
 
     def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
-        if by_path:
-            check_landed_on_log(k, landed)
-        elif not on_path.counting():
-            on_path.check(k, landed)
-        else:
-            _landed(k, own_view, landed, error=error)
+        route.check(k, own_view, landed, runs[-1][0], action)
 
     planned = kill
-    kill = deliver(planned, own_view, attempt, check, job=baseline.is_job, shifted=baseline.is_job and not by_path,
-                   reset=reset, counting=on_path.counting)
-    if data and not on_path.counting() and runs[-1][0].returncode == 0:
-        on_path.target = None
+    at_operation = isinstance(route, AtOperation)   # by path or by count (shifted in a job), not on the log
+    kill = deliver(planned, own_view, attempt, check, job=baseline.is_job, shifted=baseline.is_job and at_operation,
+                   reset=reset, counting=route.counting)
+    if data and not route.counting() and runs[-1][0].returncode == 0:
+        route.by_count()
         reset()
         kill = deliver(planned, own_view, attempt, check, job=True, shifted=True, reset=reset,
-                       counting=on_path.counting)
+                       counting=route.counting)
     first, first_run = runs[-1]
     if went_on_until is not None and first.returncode == 0:
         replayer = Replayer()

@@ -109,7 +109,6 @@ class RecordedRun:
         """Several threads made the recorded calls (strace counts per thread: faults go by path)."""
         return len({op.tid for op in self.ops} | {sc.tid for sc in self.step_logs.values()}) > 1
 
-    writers = property(lambda self: len(self._writer_tids), doc="threads that wrote anywhere (see scenario.py)")
 
     def rank_view(self, rank: int) -> RecordedRun:
         """Rank `rank`'s own run (a single process is its own rank 0)."""
@@ -204,13 +203,6 @@ class RecordedRun:
         """The operation the suite injected an error into, if any."""
         return next((op for op in self.ops if op.error), None)
 
-    def step_by_count(self, step: int) -> bool:
-        """Step `step`'s log write is the first call to reach its count (a job's ranks: by path)."""
-        return not self.spec.is_job and step in self.step_logs and self._first_to_reach.get(
-            (self.step_logs[step].name, self.step_logs[step].nth)) == self.step_logs[step].seq
-
-    _first_to_reach: dict = dataclasses.field(default_factory=dict, repr=False)
-    _writer_tids: frozenset = dataclasses.field(default_factory=frozenset, repr=False)   # threads that wrote
 
 
 def from_result(result: ProcessResult, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
@@ -403,8 +395,6 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
     kept = attribute_saves(kept, main_tid, spec.save_every)
     run = RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(reads), preexisting,
                       "; ".join(dict.fromkeys(unreplayable)) or None)
-    run._first_to_reach = first_to_reach
-    run._writer_tids = frozenset(sc.tid for sc in syscalls if sc.name in _WRITE_CALLS)
     return run
 
 

@@ -23,8 +23,7 @@ from . import recording, strace
 from .adapters import TrainerAdapter
 from .crash import CrashPoint, Schedule
 from .delivery import (  # noqa: F401  (CrashNotLanded, CrashPointMissing: re-exported for the checks)
-    CrashNotLanded, CrashPointMissing, DirectorySnapshot, PathDelivery, PlannedKill, check_landed,
-    check_landed_on_log, deliver, log_write_count)
+    CrashNotLanded, CrashPointMissing, DirectorySnapshot, PlannedKill, choose_route, deliver)
 from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Tracing, traced_run
 
@@ -143,16 +142,11 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         before = frozenset(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*"))
         snapshot = DirectorySnapshot(ckpt) if own.is_job else None
         own_view = own.rank_view(point.on_rank)
-        # A step kill by count only in a process whose other threads write nothing: strace counts
-        # per thread, so another thread's nth write would take it.
-        by_path = point.kind == "step" and (own_view.writers > 1 or not own_view.step_by_count(point.index + 1))
-        # A job's fs kill: by path where the path is the same in every run, else (or once that
-        # missed) by count, shifted (see deliver).
-        on_path = PathDelivery(kill, own_view, stable, ckpt, job=own.is_job or own_view.threaded)
-        if by_path:
-            # The rank's nth write to its own loss log, whatever else it writes (strace -P).
-            nth = log_write_count(own_view, point.index + 1)
-            path = str(rank_log(log, point.on_rank, spec.world_size))
+        # How the kill lands and is proven to (delivery.choose_route): a step point on the rank's
+        # loss log; an fs point by path in a job or a threaded process where the path is the same
+        # in every run, else (or once that missed) by count, shifted in a job (see deliver).
+        route = choose_route(kill, own_view, stable, ckpt, rank_log(log, point.on_rank, spec.world_size),
+                             job=own.is_job or own_view.threaded)
         runs: list[ProcessResult] = []
         # The last kill of a single process is delivered once (a miss raises, never retried), and
         # the final run needs nothing its landing check computes: the final run starts as soon as
@@ -161,25 +155,15 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
 
         def attempt(k: PlannedKill) -> recording.RecordedRun:
             nonlocal final_run
-            if by_path:
-                argv_for = lambda f: strace.inject_on_path_argv(f, k.syscall, nth, path)   # noqa: E731
-            elif not on_path.counting():
-                argv_for = lambda f: on_path.argv(f, k)   # noqa: E731
-            else:
-                argv_for = lambda f: strace.inject_argv(f, k.syscall, k.nth)   # noqa: E731
-            tracing = Tracing.each(spec, workdir / f"p{i}-inject.strace", argv_for, ranks=[point.on_rank])
+            tracing = Tracing.each(spec, workdir / f"p{i}-inject.strace", lambda f: route.argv(f, k),
+                                   ranks=[point.on_rank])
             runs.append(runner.run_process(adapter, spec, ckpt, log, tracing=tracing))
             if overlap and final_run is None:
                 final_run = _Background(lambda: runner.run_process(adapter, spec, ckpt, final_log))
             return recording.from_result(runs[-1], spec, ckpt, log, preexisting=before).rank_view(point.on_rank)
 
         def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
-            if by_path:
-                check_landed_on_log(k, landed)
-            elif not on_path.counting():
-                on_path.check(k, landed)
-            else:
-                check_landed(k, own_view, landed, runs[-1])
+            route.check(k, own_view, landed, runs[-1])
 
         def reset() -> None:
             snapshot.restore()
@@ -187,7 +171,7 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
 
         try:
             kill = deliver(kill, own_view, attempt, check, job=own.is_job,
-                           shifted=own.is_job and point.kind == "fs", reset=reset, counting=on_path.counting)
+                           shifted=own.is_job and point.kind == "fs", reset=reset, counting=route.counting)
         except BaseException:
             if final_run is not None:
                 final_run.wait()   # the kill did not land: its final run is not used, but it is not left running
