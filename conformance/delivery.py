@@ -285,13 +285,15 @@ def check_landed_on_path(kill: PlannedKill, path: str, nth: int, landed: recordi
 
 
 def count_ambiguous(kill: PlannedKill, view: recording.RecordedRun) -> bool:
-    """Whether another thread of the rank makes the same count of the kill's syscall: strace
-    counts per thread, so a fault by count could land in either (a background writer's calls
-    race the main thread's)."""
+    """Whether another thread of the rank makes the same count of the kill's syscall, by any call
+    (the main thread's loss-log writes too): strace counts per thread, so a fault by count could
+    land in either, whichever gets there first in that run (a background writer's calls race the
+    main thread's)."""
     if kill.point.kind != "fs":
         return False
     op = view.ops[view.mutations[kill.mutations_before]]
-    return any(o.tid != op.tid and o.syscall == op.syscall and o.nth == op.nth for o in view.ops)
+    return (op.syscall, op.nth) in view.shared_counts or any(
+        o.tid != op.tid and o.syscall == op.syscall and o.nth == op.nth for o in view.ops)
 
 
 class Route:

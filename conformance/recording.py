@@ -101,6 +101,9 @@ class RecordedRun:
     preexisting: frozenset[str] = frozenset()  # relative paths present before the run
     unreplayable: str | None = None          # why crash states cannot be rebuilt from this run
     ranks: dict[int, RecordedRun] = dataclasses.field(default_factory=dict)   # jobs: each rank's own run
+    # (syscall, nth) that more than one thread of the process reached, any call, traced anywhere:
+    # strace counts per thread, so a fault by such a count lands in whichever thread gets there first.
+    shared_counts: frozenset[tuple[str, int]] = frozenset()
 
     is_job = property(lambda self: bool(self.ranks), doc="a multi-rank job (its ranks' runs merged)")
 
@@ -240,8 +243,10 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
     """The model of a run (or of one rank's process, with `rank`) from its parsed trace."""
     root_s, log_s = str(ckpt_dir), str(loss_log)
     first_to_reach: dict[tuple[str, int], int] = {}
+    reached_by: dict[tuple[str, int], set[int]] = {}
     for sc in syscalls:
         first_to_reach.setdefault((sc.name, sc.nth), sc.seq)
+        reached_by.setdefault((sc.name, sc.nth), set()).add(sc.tid)
     ops: list[Op] = []
     step_logs: dict[int, strace.Syscall] = {}
     reads: set[str] = set()
@@ -394,7 +399,8 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
     main_tid = min(logging_tids) if logging_tids else (syscalls[0].tid if syscalls else 0)
     kept = attribute_saves(kept, main_tid, spec.save_every)
     run = RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(reads), preexisting,
-                      "; ".join(dict.fromkeys(unreplayable)) or None)
+                      "; ".join(dict.fromkeys(unreplayable)) or None,
+                      shared_counts=frozenset(k for k, tids in reached_by.items() if len(tids) > 1))
     return run
 
 

@@ -270,3 +270,22 @@ def test_a_job_fault_that_keeps_missing_by_a_few_calls_draws_another_point_but_a
     with pytest.raises(KillMissedCount):
         deliver(kill, view, attempt, missing, job=False, shifted=False, reset=lambda: None)
     assert len(attempts) == 1
+
+
+def test_a_count_the_main_threads_log_writes_also_reach_is_not_delivered_by_count():
+    """A background writer's write #2 to a run-random temp file, and the main thread's write #2 (the
+    loss log, not an operation under the checkpoint directory): whichever thread gets there first
+    in a run takes the kill, so the point is not delivered by count (another is drawn)."""
+    from conformance.delivery import CrashPointMissing
+    from conformance.scenario import plan
+    tmp = "/ck/.tmp-ckpt-1-4242"
+    lines = [log(1), f'200  openat(AT_FDCWD</run>, "{tmp}", O_WRONLY|O_CREAT|O_TRUNC, 0644) = 3<{tmp}>',
+             f'200  write(3<{tmp}>, "a", 1) = 1', f'200  write(3<{tmp}>, "b", 1) = 1', log(2)]
+    planned = recorded(lines, steps=2)
+    assert ("write", 2) in planned.shared_counts
+    second = next(n for n, k in enumerate(planned.crash_points())
+                  if planned.ops[planned.mutations[k]].kind == "write" and planned.ops[planned.mutations[k]].nth == 2)
+    kill = plan(CrashPoint("fs", second), planned)
+    with pytest.raises(CrashPointMissing, match="another thread of the rank makes its write #2 too"):
+        choose_route(kill, planned, frozenset(), ROOT, LOG, job=True)
+    assert choose_route(kill, planned, frozenset(), ROOT, LOG, job=False).counting()   # not threaded: by count
