@@ -7,9 +7,8 @@ written elsewhere and later renamed in, the loss-log writes that mark step bound
 files a run opened for reading. Scenarios, crash states, strategies and the checks ask it; none
 of them reads a trace or recomputes these facts.
 
-A save is a logical unit learned from the run (saves.py: the logging thread's operations between
-logging step s and s+1, or a save in flight on another thread, whenever its commit lands); it is
-committed before operation i when all of its operations come before i.
+A save is a logical unit learned from the run (saves.py; in flight across steps too), committed
+before operation i when all of its operations come before i.
 
 A multi-rank job is recorded rank by rank (each rank's own trace, its own steps) and merged into
 one run in the order the operations happened (strace's -ttt entry times, one clock for all
@@ -101,8 +100,7 @@ class RecordedRun:
     preexisting: frozenset[str] = frozenset()  # relative paths present before the run
     unreplayable: str | None = None          # why crash states cannot be rebuilt from this run
     ranks: dict[int, RecordedRun] = dataclasses.field(default_factory=dict)   # jobs: each rank's own run
-    # (syscall, nth) that more than one thread of the process reached, any call, traced anywhere:
-    # strace counts per thread, so a fault by such a count lands in whichever thread gets there first.
+    # (syscall, nth) two threads reached (any call): a fault by that count hits whichever is first
     shared_counts: frozenset[tuple[str, int]] = frozenset()
 
     is_job = property(lambda self: bool(self.ranks), doc="a multi-rank job (its ranks' runs merged)")
@@ -170,6 +168,12 @@ class RecordedRun:
         flight counts only once its last operation came before that log line."""
         return max((s for s, idxs in self.windows().items() if 0 < s <= step and self.ops[idxs[-1]].after_step <= step),
                    default=0)
+
+    def in_flight_by_step(self, step: int) -> int | None:
+        """The save begun by step `step` but not committed when step `step` + 1 was about to be logged
+        (in flight: a kill then may find it committed or not), or None."""
+        late = [s for s, idxs in self.windows().items() if 0 < s <= step and self.ops[idxs[-1]].after_step > step]
+        return max(late, default=None)
 
     def in_progress(self, op_index: int) -> int | None:
         """The save op `op_index` belongs to, or None outside any save."""

@@ -44,8 +44,9 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
         before = sum(1 for i in view.mutations if view.ops[i].after_step <= point.index)
         own = view.committed_by_step(point.index)
         newest = run.committed_at(log.ts) if run.is_job else own
-        return PlannedKill(point, log.name, log.nth, f"{who}logging step {point.index + 1}", before, newest, None,
-                           max(own, newest))
+        flying = view.in_flight_by_step(point.index)   # it may commit before the kill, or not
+        return PlannedKill(point, log.name, log.nth, f"{who}logging step {point.index + 1}", before, newest, flying,
+                           max(own, newest, flying or 0))
     points = view.crash_points()
     if not points:
         return None

@@ -134,3 +134,13 @@ def test_a_commit_the_main_thread_makes_at_the_next_save_step_belongs_to_the_sav
         ("mkdir", 2), ("create", 2), ("write", 2), ("fsync", 2), ("rename", 2), ("fsync", 2), ("unlink", 2),
         ("mkdir", 4), ("create", 4), ("write", 4), ("fsync", 4), ("rename", 4), ("fsync", 4)]
     assert run.committed_by_step(3) == 0 and run.committed_by_step(4) == 4
+
+
+def test_a_step_kill_while_a_save_is_in_flight_allows_that_save_too():
+    from conformance.crash import CrashPoint
+    from conformance.scenario import plan
+    run = build(in_flight_run())
+    assert [run.in_flight_by_step(k) for k in range(1, 10)] == [None, None, 3, 3, None, 6, 6, None, None]
+    kill = plan(CrashPoint("step", 4), run)            # logging step 5: save 3 commits after it, or before
+    assert kill.newest_committed == 0 and kill.allowed_resumes() == {0, 3}
+    assert plan(CrashPoint("step", 5), run).allowed_resumes() == {3}
