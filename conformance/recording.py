@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import strace
 from .process import ProcessResult, RunSpec, rank_log
-from .saves import attribute_saves
+from .saves import attribute_saves, surely_committed_by
 
 # Operations that change the directory or a file's bytes (crash points are drawn among these).
 MUTATIONS = frozenset({"mkdir", "create", "write", "copy", "truncate", "rename", "unlink", "rmdir", "link",
@@ -164,16 +164,16 @@ class RecordedRun:
         return max((s for s, idxs in self.windows().items() if s and idxs[-1] < op_index), default=0)
 
     def committed_by_step(self, step: int) -> int:
-        """The newest save finished when step `step` + 1 is about to be logged (0: none): a save in
-        flight counts only once its last operation came before that log line."""
-        return max((s for s, idxs in self.windows().items() if 0 < s <= step and self.ops[idxs[-1]].after_step <= step),
-                   default=0)
+        """The newest save surely finished when step `step` + 1 is about to be logged (0: none)."""
+        return max((s for s, by in self._sure_by.items() if by <= step), default=0)
 
     def in_flight_by_step(self, step: int) -> int | None:
-        """The save begun by step `step` but not committed when step `step` + 1 was about to be logged
-        (in flight: a kill then may find it committed or not), or None."""
-        late = [s for s, idxs in self.windows().items() if 0 < s <= step and self.ops[idxs[-1]].after_step > step]
-        return max(late, default=None)
+        """The save begun by step `step`, not surely committed as `step` + 1 is logged (or None)."""
+        return max((s for s, by in self._sure_by.items() if s <= step < by), default=None)
+
+    @functools.cached_property
+    def _sure_by(self) -> dict[int, int]:
+        return surely_committed_by(self.windows(), self.ops, self.spec.save_every, self.spec.total_steps)
 
     def in_progress(self, op_index: int) -> int | None:
         """The save op `op_index` belongs to, or None outside any save."""

@@ -85,3 +85,15 @@ def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
         threads = lanes.setdefault(save, {main_tid: 0})
         out.append(dataclasses.replace(op, save=save, lane=threads.setdefault(op.tid, len(threads))))
     return out
+
+
+def surely_committed_by(windows: dict[int, list[int]], ops, save_every: int, total_steps: int) -> dict[int, int]:
+    """Save -> the step by whose log line it is surely committed: its last operation's, if the
+    logging thread made it; a background thread's commit races the log lines until the next save
+    step (at most one save in flight: the trainer waits for it there) or the end of the run."""
+    out = {}
+    for s, idxs in windows.items():
+        last = ops[idxs[-1]]
+        if s:
+            out[s] = last.after_step if not last.lane else max(last.after_step, min(s + save_every, total_steps))
+    return out
