@@ -225,11 +225,8 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _burning_plan(tmp_path, load=2):
-    return planned("--adapter", REF, "--runs", "2", "--load", str(load), "--workers", "0", tmp_path=tmp_path)
-
-
-def test_the_burners_run_beside_every_run_and_are_stopped_after(tmp_path, monkeypatch):
+def _record_burners(monkeypatch) -> list:
+    """The burner processes soak starts, as it starts them."""
     started = []
     real = soak.Burners.__enter__
 
@@ -238,6 +235,15 @@ def test_the_burners_run_beside_every_run_and_are_stopped_after(tmp_path, monkey
         started.extend(self.procs)
         return out
     monkeypatch.setattr(soak.Burners, "__enter__", enter)
+    return started
+
+
+def _burning_plan(tmp_path, load=2):
+    return planned("--adapter", REF, "--runs", "2", "--load", str(load), "--workers", "0", tmp_path=tmp_path)
+
+
+def test_the_burners_run_beside_every_run_and_are_stopped_after(tmp_path, monkeypatch):
+    started = _record_burners(monkeypatch)
     during = []
 
     def fake_run(cmd, run_dir):
@@ -254,14 +260,7 @@ def test_the_burners_run_beside_every_run_and_are_stopped_after(tmp_path, monkey
 
 @pytest.mark.parametrize("error", [RuntimeError("a bug"), KeyboardInterrupt()])
 def test_the_burners_are_stopped_on_an_exception_and_on_ctrl_c(tmp_path, monkeypatch, error):
-    started = []
-    real = soak.Burners.__enter__
-
-    def enter(self):
-        out = real(self)
-        started.extend(self.procs)
-        return out
-    monkeypatch.setattr(soak.Burners, "__enter__", enter)
+    started = _record_burners(monkeypatch)
 
     def fake_run(cmd, run_dir):
         assert all(_alive(p.pid) for p in started)

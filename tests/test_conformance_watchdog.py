@@ -110,22 +110,23 @@ def test_syscall_numbers_have_names():
 
 
 # -- real processes --------------------------------------------------------------------------------
-def test_a_sleeping_process_that_logs_nothing_is_stalled(tmp_path, children):
-    children.append(proc := _child("import time; print('up', flush=True); time.sleep(60)"))
+def _watch_child(tmp_path, children, code: str, seconds: float):
+    """Start `code` in a child, follow it with a 1 s stall limit for `seconds`: (problem, took)."""
+    children.append(proc := _child(code))
     _ready(proc)
     watch = Watchdog(Limits(total_s=30, stall_s=1.0), SINGLE, tmp_path / "loss.jsonl", [])
     watch.follow(proc.pid)
-    problem, took = _watch(watch, 8)
+    return _watch(watch, seconds)
+
+
+def test_a_sleeping_process_that_logs_nothing_is_stalled(tmp_path, children):
+    problem, took = _watch_child(tmp_path, children, "import time; print('up', flush=True); time.sleep(60)", 8)
     assert problem and problem.startswith("made no progress for 1 s before logging any step"), problem
     assert took < 5
 
 
 def test_a_process_burning_cpu_without_logging_is_not_stalled(tmp_path, children):
-    children.append(proc := _child("import time\nprint('up', flush=True)\nwhile True: pass"))
-    _ready(proc)
-    watch = Watchdog(Limits(total_s=30, stall_s=1.0), SINGLE, tmp_path / "loss.jsonl", [])
-    watch.follow(proc.pid)
-    problem, _ = _watch(watch, 3)
+    problem, _ = _watch_child(tmp_path, children, "import time\nprint('up', flush=True)\nwhile True: pass", 3)
     assert problem is None
 
 
