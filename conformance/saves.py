@@ -10,23 +10,25 @@ if TYPE_CHECKING:
     from .recording import Op
 
 _COMMIT_LIKE = frozenset({"rename", "link", "symlink", "unlink", "rmdir"})
+_BRINGS_DATA = frozenset({"create", "mkdir", "write", "copy", "link", "symlink"})
 
 
 def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
     """Each operation with the save it belongs to (`save`) and its thread within it (`lane`).
 
     - The logging thread's operations between logging step s and s+1 are the save of step s.
-    - Another thread's operations are a save in flight, whenever its commit lands. It belongs to
-      the save whose files it touches (a file or directory a save created), else to the oldest
-      save step (a multiple of SAVE_EVERY, as the command contract has it) already logged that no
-      save has taken yet; with none left, to the newest save (a second writer thread of it).
-    - A thread that was already writing begins a new save when it creates a file or directory
-      after a commit-like operation (rename, link, symlink, unlink, rmdir, a directory fsync)
-      while a logged save step is still untaken.
-    - The logging thread's operations at a step that is no save step, while a save begun on
-      another thread is in flight, belong to that save (a commit or retention the main thread
-      does once the background write finished); so do its operations on that save's files at a
-      save step, and the ones after them until it creates something (the next save begins).
+    - Another thread that brings new data (creates, writes, links) is writing a save in flight,
+      whenever its commit lands. It belongs to the save whose files it touches (a file or
+      directory the newest save created), else to the oldest save step (a multiple of SAVE_EVERY,
+      as the command contract has it) already logged that no save has taken yet; with none left,
+      to the newest save (a second writer thread of it). Such a thread begins a new save when it
+      creates a file or directory after a commit-like operation (rename, link, symlink, unlink,
+      rmdir, a directory fsync) while a logged save step is still untaken.
+    - Another thread that only removes or syncs (retention, demotion to a cold tier) belongs to
+      the step window it runs in, as the logging thread's operations do (lane 0).
+    - The logging thread's operations on the files of a save in flight (its commit, once the
+      background write finished) belong to that save, with the ones after them at the same step
+      until it creates something (the next save begins).
     Neither a wall clock nor how far the background thread lags decides anything, so every run of
     a deterministic trainer gets the same attribution, provided it takes every save step in
     order (at most one save in flight, none skipped)."""
@@ -50,9 +52,9 @@ def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
             out.append(op)
             continue
         made = max(owner.get(op.path, 0), owner.get(op.path.rpartition("/")[0] or ".", 0))
+        lane = 0
         if op.tid == main_tid:
-            w = op.after_step
-            save = in_flight if (in_flight and in_flight < w < in_flight + every and w % every) else w
+            w = save = op.after_step
             if in_flight and made == in_flight != save:
                 finishing = (in_flight, w)     # the main thread commits the save in flight
             elif finishing is not None and (finishing[1] != w or op.kind in ("create", "mkdir")):
@@ -62,15 +64,20 @@ def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
         else:
             before = previous.get(op.tid)
             free = untaken(op.after_step)
-            if made and made >= newest and made > current.get(op.tid, 0):
+            brings = op.kind in _BRINGS_DATA
+            if brings and made and made >= newest and made > current.get(op.tid, 0):
                 current[op.tid] = made
             elif op.tid not in current:
-                current[op.tid] = free if free is not None else newest
+                if brings:
+                    current[op.tid] = free if free is not None else newest
             elif free is not None and op.kind in ("create", "mkdir") and before is not None and (
                     before.kind in _COMMIT_LIKE or (before.kind == "fsync" and before.path in dirs)):
                 current[op.tid] = free
-            save = current[op.tid]
-            in_flight = max(in_flight, save)
+            save = current.get(op.tid, op.after_step)
+            if op.tid in current:
+                in_flight = max(in_flight, save)
+                threads = lanes.setdefault(save, {main_tid: 0})
+                lane = threads.setdefault(op.tid, len(threads))
         if op.mutation and save:
             taken.add(save)
             newest = max(newest, save)
@@ -82,8 +89,7 @@ def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
             owner[op.target] = save
         if op.mutation:
             previous[op.tid] = op
-        threads = lanes.setdefault(save, {main_tid: 0})
-        out.append(dataclasses.replace(op, save=save, lane=threads.setdefault(op.tid, len(threads))))
+        out.append(dataclasses.replace(op, save=save, lane=lane))
     return out
 
 

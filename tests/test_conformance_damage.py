@@ -70,22 +70,22 @@ def test_a_save_missing_one_of_its_files_is_not_held():
     assert set(saves_held(run)) == {6}
 
 
-def test_a_file_a_later_save_rewrote_under_the_same_name_is_not_the_older_saves():
-    """Lightning's `last.ckpt`: each save replaces it, so the older save is gone though its own
-    per-step file is still there."""
+def test_a_file_a_later_save_rewrote_under_the_same_name_is_the_later_saves():
+    """Lightning's `last.ckpt`: each save replaces it; the older save is still held by its own
+    per-step file (a trainer that restarts from scratch when `last.ckpt` is damaged loses it)."""
     run = run_of(*write_file(3, "epoch=0-step=3.ckpt", None), *write_file(3, "last.ckpt", None, fd=5),
                  *write_file(6, "epoch=1-step=6.ckpt", None), *write_file(6, "last.ckpt", None, fd=5))
     held = saves_held(run)
-    assert held == {6: {"epoch=1-step=6.ckpt", "last.ckpt"}}
-    assert fallback_step(held, 6) == 0
+    assert held == {3: {"epoch=0-step=3.ckpt"}, 6: {"epoch=1-step=6.ckpt", "last.ckpt"}}
+    assert fallback_step(held, 6) == 3
 
 
 def test_a_file_rewritten_in_place_with_the_same_bytes_keeps_its_save():
     run = run_of(*write_file(3, "ckpt-3.pt", b"three"), *write_file(3, "latest", b"ckpt-3.pt", fd=5),
                  *write_file(6, "ckpt-6.pt", b"six"), *write_file(6, "latest", b"ckpt-6.pt", fd=5),
                  *write_file(9, "ckpt-9.pt", b"nine"), *write_file(9, "latest", b"ckpt-6.pt", fd=5))
-    # `latest` ends holding what save 6 left there (save 9 wrote the same bytes): 6 is whole, 3 not.
-    assert set(saves_held(run)) == {6, 9}
+    # `latest` is the newest save's (it rewrote it); 3 and 6 are held by their own files.
+    assert set(saves_held(run)) == {3, 6, 9}
 
 
 def test_bytes_the_trace_cut_short_and_copies_need_no_data():

@@ -50,7 +50,9 @@ def saves_held(run: RecordedRun) -> dict[int, frozenset[str]]:
     """Step s -> the files of save s (crash_states.save_files), for each save whose files are all
     still in the checkpoint directory when the recorded run ends, holding the bytes that save left:
     the checkpoints a resume from that directory can fall back to. A save whose files retention
-    deleted, or that a later save rewrote under the same name (Lightning's `last.ckpt`), is not held.
+    deleted, or whose file another save changed, is not held; a file the newest save rewrote under
+    the same name (Lightning's `last.ckpt`) is the newest save's, and an older save is held by its
+    other files.
 
     The run need not be recorded with data: a write whose bytes the trace cut short (and a copy,
     whose bytes come from elsewhere) is replayed with stand-in bytes of its own, unique to the
@@ -61,8 +63,14 @@ def saves_held(run: RecordedRun) -> dict[int, frozenset[str]]:
     end = Replayer()
     for op in stand_in.ops:
         end.apply(op)
-    return {s: frozenset(files) for s, files in sorted(finals.items())
-            if files and all(end.files.get(p) == data for p, data in files.items())}
+    held = {}
+    newest = finals.get(max(finals, default=0), {})
+    for s, files in sorted(finals.items()):
+        # A file the newest save rewrote under the same name (Lightning's `last.ckpt`) is its own.
+        own = files if files is newest else {p: data for p, data in files.items() if p not in newest}
+        if own and all(end.files.get(p) == data for p, data in own.items()):
+            held[s] = frozenset(own)
+    return held
 
 
 def _with_stand_in_bytes(op: Op) -> Op:
