@@ -42,8 +42,9 @@ for _name in PROFILES:
     _hypothesis_settings.register_profile(_name + RANDOM_SUFFIX, parent=_hypothesis_settings.get_profile(_name),
                                           derandomize=False, database=None)
 
-# A busy loop that also ends when its parent (soak) is gone, even if soak was SIGKILLed.
-BURNER = ("import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n"
+# A busy loop that also ends when its parent (soak, whose pid is its argument) is gone, even if soak
+# was SIGKILLed, and even before the loop began (its own parent read at start-up would then be init).
+BURNER = ("import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
           "    for _ in range(200000):\n        pass\n")
 
 
@@ -65,18 +66,14 @@ class Trainer:
         return [f"--adapter={self.adapter}"] if self.adapter is not None else [f"--trainer-cmd={self.trainer_cmd}"]
 
 
-def _positive(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
+def _at_least(lowest: int):
+    """An argparse type: a whole number >= `lowest`."""
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {text!r}")
+        return value
+    return parse
 
 
 def _integer(text: str) -> int:
@@ -93,7 +90,7 @@ def _workers(text: str) -> str:
 
 
 def add_arguments(so: argparse.ArgumentParser) -> None:
-    so.add_argument("--runs", type=_positive, default=3, help="runs per trainer (default 3)")
+    so.add_argument("--runs", type=_at_least(1), default=3, help="runs per trainer (default 3)")
     so.add_argument("--adapter", action="append", dest="trainers", type=lambda s: Trainer(adapter=s),
                     metavar="SPEC", help="adapter to soak (repeatable; with --trainer-cmd, each is one trainer); "
                     "default: the project's correct trainers")
@@ -108,7 +105,7 @@ def add_arguments(so: argparse.ArgumentParser) -> None:
     so.add_argument("--seed", type=_integer, default=None, metavar="N",
                     help="campaign seed for --random: run i draws with a seed derived from N (default: a new one, "
                          "printed); the same --seed replays the same campaign")
-    so.add_argument("--load", type=_non_negative, default=0, metavar="N",
+    so.add_argument("--load", type=_at_least(0), default=0, metavar="N",
                     help="run N CPU burner processes beside the runs (CI-like load)")
     so.add_argument("--workers", type=_workers, default="auto", help="pytest-xdist -n value ('0' for none)")
     so.add_argument("--out", help="directory for the runs' reports (default: a new temporary directory)")
@@ -214,7 +211,7 @@ class Burners:
 
     def __init__(self, n: int, *, argv: list[str] | None = None):
         self.n = n
-        self.argv = argv or [sys.executable, "-S", "-c", BURNER]
+        self.argv = argv or [sys.executable, "-S", "-c", BURNER, str(os.getpid())]
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self):

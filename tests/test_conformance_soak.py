@@ -279,7 +279,8 @@ def test_a_burner_ends_by_itself_when_soak_dies(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
         "from conformance.soak import BURNER\n"
-        f"p = subprocess.Popen([sys.executable, '-S', '-c', BURNER])\n"
+        "import os\n"
+        "p = subprocess.Popen([sys.executable, '-S', '-c', BURNER, str(os.getpid())])\n"
         f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
         "time.sleep(60)\n")])
     try:
