@@ -304,6 +304,11 @@ class Route:
         """Whether the next attempt goes by count (only those teach shifts, see deliver)."""
         return False
 
+    def shifted(self, job: bool) -> bool:
+        """Whether a count this route delivers by is shifted and retried (see deliver): in a job,
+        whose `write` counts drift, for a point at an operation; never on the loss log."""
+        return False
+
     def argv(self, trace_file: Path, kill: PlannedKill, action: str = "signal=KILL", *, data: bool = False) -> list[str]:
         raise NotImplementedError
 
@@ -345,6 +350,9 @@ class AtOperation(Route):
 
     def counting(self) -> bool:
         return self.target is None
+
+    def shifted(self, job: bool) -> bool:
+        return job
 
     def by_count(self) -> None:
         """Go by count from now on (a path delivery traces the faulted rank's calls on that path

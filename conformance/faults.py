@@ -15,7 +15,7 @@ from . import recording, strace
 from .adapters import TrainerAdapter
 from .crash import CrashPoint
 from .crash_states import Replayer
-from .delivery import AtOperation, CrashNotLanded, PlannedKill, choose_route, deliver
+from .delivery import CrashNotLanded, PlannedKill, choose_route, deliver
 from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Stop, Tracing
 from .scenario import plan
@@ -105,8 +105,7 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
         route.check(k, own_view, landed, runs[-1][0], action)
 
     planned = kill
-    at_operation = isinstance(route, AtOperation)   # by path or by count (shifted in a job), not on the log
-    kill = deliver(planned, own_view, attempt, check, job=baseline.is_job, shifted=baseline.is_job and at_operation,
+    kill = deliver(planned, own_view, attempt, check, job=baseline.is_job, shifted=route.shifted(baseline.is_job),
                    reset=reset, counting=route.counting)
     if data and not route.counting() and runs[-1][0].returncode == 0:
         route.by_count()

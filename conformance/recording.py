@@ -110,7 +110,6 @@ class RecordedRun:
         """Several threads made the recorded calls (strace counts per thread: faults go by path)."""
         return len({op.tid for op in self.ops} | {sc.tid for sc in self.step_logs.values()}) > 1
 
-
     def rank_view(self, rank: int) -> RecordedRun:
         """Rank `rank`'s own run (a single process is its own rank 0)."""
         if not self.ranks:
@@ -209,7 +208,6 @@ class RecordedRun:
     def failed_op(self) -> Op | None:
         """The operation the suite injected an error into, if any."""
         return next((op for op in self.ops if op.error), None)
-
 
 
 def from_result(result: ProcessResult, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,

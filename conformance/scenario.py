@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from . import recording, strace
@@ -91,30 +91,6 @@ class TrialOutcome:
         return self.crashed[-1].resumed_from if self.crashed else 0
 
 
-class _Background:
-    """A call run in a thread of its own; `result()` waits for it and returns (or raises) what it did."""
-
-    def __init__(self, fn):
-        self._fn, self._value, self._error = fn, None, None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._value = self._fn()
-        except BaseException as exc:   # handed to result()
-            self._error = exc
-
-    def wait(self) -> None:
-        self._thread.join()
-
-    def result(self):
-        self.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedule: Schedule, workdir: Path,
                  baseline: recording.RecordedRun, stable: frozenset[str] = frozenset()) -> TrialOutcome:
     """Run `schedule`: each point kills one process (or one rank of a job), the next starts on
@@ -126,7 +102,7 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
     ckpt.mkdir(parents=True)
     crashed: list[CrashedProcess] = []
     final_log = (workdir / "final-loss.jsonl").resolve()
-    final_run: _Background | None = None
+    final_run: Future | None = None
     for i, point in enumerate(schedule):
         own = baseline if i == 0 else traced_run(runner, adapter, spec, workdir, tag=f"p{i}-trace", prepare=ckpt)
         started_from = 0 if i == 0 else own.result.resumed_from(spec)
@@ -160,7 +136,9 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
                                    ranks=[point.on_rank])
             runs.append(runner.run_process(adapter, spec, ckpt, log, tracing=tracing))
             if overlap and final_run is None:
-                final_run = _Background(lambda: runner.run_process(adapter, spec, ckpt, final_log))
+                pool = ThreadPoolExecutor(max_workers=1)
+                final_run = pool.submit(runner.run_process, adapter, spec, ckpt, final_log)
+                pool.shutdown(wait=False)
             return recording.from_result(runs[-1], spec, ckpt, log, preexisting=before).rank_view(point.on_rank)
 
         def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
@@ -172,10 +150,10 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
 
         try:
             kill = deliver(kill, own_view, attempt, check, job=own.is_job,
-                           shifted=own.is_job and point.kind == "fs", reset=reset, counting=route.counting)
+                           shifted=route.shifted(own.is_job), reset=reset, counting=route.counting)
         except BaseException:
             if final_run is not None:
-                final_run.wait()   # the kill did not land: its final run is not used, but it is not left running
+                wait([final_run])   # the kill did not land: its final run is not used, but it is not left running
             raise
         result = runs[-1]
         if snapshot is not None:
