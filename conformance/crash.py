@@ -2,8 +2,8 @@
 Hypothesis can shrink it.
 
 A schedule is a tuple of crash points, one per killed process (or job); after the last one the
-suite runs the trainer once more, uninterrupted. Text form (used by replay): `step:4,fs:17`; for a
-multi-rank trainer each point names the rank it kills: `fs:17@r1,step:4@r0`.
+suite runs the trainer once more, uninterrupted. Text form (used by replay): `step:4,save:6/3`;
+for a multi-rank trainer each point names the rank it kills: `save:6/3@r1,step:4@r0`.
 """
 from __future__ import annotations
 
@@ -13,41 +13,73 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class CrashPoint:
     """`step:k`: kill after step k is logged (on entry to the write that would log step k+1).
-    `fs:i`: kill on entry to the i-th filesystem mutation under the checkpoint directory
-    (0-based, counted in that process's own uninterrupted trace). `@rN`: in a multi-rank job, the
-    point is rank N's (its own steps, its own mutations); torchrun then stops the other ranks."""
+    `save:s/i` (`save:s/tL/i`): kill on entry to the i-th filesystem mutation (1-based) of the save
+    of step s on its logging thread (on its background thread L, numbered in order of appearance
+    within that save; saves.py says which save and thread an operation belongs to). The name does
+    not depend on how threads interleave, so it replays the same operation in every run.
+    `fs:i`: kill on entry to the i-th targetable filesystem mutation under the checkpoint
+    directory (0-based, in the process's own uninterrupted trace, in the order the calls were
+    entered; it wraps around): for operations outside any save and for processes whose trace is
+    not known in advance. `@rN`: in a multi-rank job, the point is rank N's (its own steps, its
+    own mutations); torchrun then stops the other ranks."""
 
     kind: str
-    index: int
+    index: int                 # step k; fs ordinal i; the save's step s
     rank: int | None = None
+    op: int = 0                # save points: the operation's 1-based position on its thread in that save
+    thread: int = 0            # save points: 0 the logging thread, L the save's L-th other thread
+
+    KINDS = ("step", "fs", "save")
 
     def __post_init__(self):
-        if self.kind not in ("step", "fs"):
-            raise ValueError(f"crash point kind must be 'step' or 'fs', got {self.kind!r}")
+        if self.kind not in self.KINDS:
+            raise ValueError(f"crash point kind must be one of {self.KINDS}, got {self.kind!r}")
         if self.index < 0:
             raise ValueError(f"crash point index must be >= 0, got {self.index}")
         if self.rank is not None and self.rank < 0:
             raise ValueError(f"crash point rank must be >= 0, got {self.rank}")
+        if self.kind == "save":
+            if self.index < 1 or self.op < 1 or self.thread < 0:
+                raise ValueError(f"a save point names a save step >= 1, a thread >= 0 and an operation >= 1, "
+                                 f"got save {self.index}, thread {self.thread}, operation {self.op}")
+        elif self.op or self.thread:
+            raise ValueError(f"only a save point names an operation and a thread, not a {self.kind!r} point")
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.index}" + (f"@r{self.rank}" if self.rank is not None else "")
+        body = f"{self.kind}:{self.index}"
+        if self.kind == "save":
+            body += (f"/t{self.thread}" if self.thread else "") + f"/{self.op}"
+        return body + (f"@r{self.rank}" if self.rank is not None else "")
 
     @property
     def on_rank(self) -> int:
         """The rank whose process this point stops (0 for a single process)."""
         return self.rank or 0
 
+    @property
+    def at_step(self) -> bool:
+        """Whether it is a step point (delivered on the loss log); else it names an operation."""
+        return self.kind == "step"
+
     @classmethod
     def parse(cls, text: str) -> "CrashPoint":
         body, at, rank = text.strip().partition("@")
-        kind, _, index = body.partition(":")
+        kind, _, where = body.partition(":")
         try:
             if at and not rank.startswith("r"):
                 raise ValueError("the rank is written '@r<N>'")
-            return cls(kind, int(index), int(rank[1:]) if at else None)
+            on = int(rank[1:]) if at else None
+            if kind != "save":
+                return cls(kind, int(where), on)
+            parts = where.split("/")
+            if len(parts) == 3 and parts[1].startswith("t"):
+                return cls(kind, int(parts[0]), on, op=int(parts[2]), thread=int(parts[1][1:]))
+            if len(parts) != 2:
+                raise ValueError("a save point is written 'save:S/I' or 'save:S/tL/I'")
+            return cls(kind, int(parts[0]), on, op=int(parts[1]))
         except ValueError as exc:
-            raise ValueError(f"bad crash point {text!r}: expected 'step:K' or 'fs:I', optionally with "
-                             f"'@rN' for rank N ({exc})") from None
+            raise ValueError(f"bad crash point {text!r}: expected 'step:K', 'save:S/I', 'save:S/tL/I' or 'fs:I', "
+                             f"optionally with '@rN' for rank N ({exc})") from None
 
 
 Schedule = tuple[CrashPoint, ...]

@@ -68,7 +68,7 @@ def check_landed(kill: PlannedKill, planned: recording.RecordedRun, landed: reco
             f"crash point {kill.point} (planned: {kill.text}, {kill.syscall} #{kill.nth}) was not "
             f"delivered: the process exited {result.returncode} without being killed there")
     done = [i for i in landed.mutations if not landed.ops[i].killed]
-    expected_hit = "log" if kill.point.kind == "step" else None
+    expected_hit = "log" if kill.point.at_step else None
     lined_up = alignment.align(planned, landed, upto=min(len(done), kill.mutations_before))
     problem, missed = None, False
     if lined_up.divergence is not None:
@@ -126,7 +126,7 @@ def count_shift(kill: PlannedKill, planned: recording.RecordedRun, landed: recor
     the operation the fault hit, when it came early; else the last loss-log write of the same
     thread before the point."""
     k = kill.mutations_before
-    target = planned.ops[planned.mutations[k]] if kill.point.kind == "fs" and k < len(planned.mutations) else None
+    target = planned.ops[planned.mutations[k]] if not kill.point.at_step and k < len(planned.mutations) else None
     hit = landed.killed_op() or landed.failed_op() or landed.signalled_op()
     if target is not None and k < len(landed.mutations):
         same = landed.ops[landed.mutations[k]]
@@ -143,7 +143,7 @@ def count_shift(kill: PlannedKill, planned: recording.RecordedRun, landed: recor
                 same_op = planned.ops[planned.mutations[len(done)]]
                 if same_op.syscall == hit.syscall:
                     return hit.nth - same_op.nth
-    before = kill.point.index if kill.point.kind == "step" else target.after_step if target else 0
+    before = kill.point.index if kill.point.at_step else target.after_step if target else 0
     anchors = [s for s, sc in planned.step_logs.items()
                if s <= before and s in landed.step_logs and sc.name == kill.syscall == landed.step_logs[s].name
                and (target is None or sc.tid == target.tid)]
@@ -262,7 +262,7 @@ def path_delivery(kill: PlannedKill, view: recording.RecordedRun, stable: frozen
 
     Counting by path is exact whatever other threads do (a background writer's calls would
     otherwise race the main thread's to the same count) and whatever gloo writes."""
-    if kill.point.kind != "fs":
+    if kill.point.at_step:
         return None
     op = view.ops[view.mutations[kill.mutations_before]]
     if op.syscall not in PATH_SYSCALLS or not op.inside or op.path not in stable or (op.target and op.target not in stable):
@@ -289,7 +289,7 @@ def count_ambiguous(kill: PlannedKill, view: recording.RecordedRun) -> bool:
     (the main thread's loss-log writes too): strace counts per thread, so a fault by count could
     land in either, whichever gets there first in that run (a background writer's calls race the
     main thread's)."""
-    if kill.point.kind != "fs":
+    if kill.point.at_step:
         return False
     op = view.ops[view.mutations[kill.mutations_before]]
     return (op.syscall, op.nth) in view.shared_counts or any(
@@ -384,7 +384,7 @@ def choose_route(kill: PlannedKill, view: recording.RecordedRun, stable: frozens
     """How a fault at `kill` lands in the process (or job rank) whose own run is `view`: a step point
     on its loss log, unless the faulted run must be recorded whole (`whole_recording`); an `fs`
     point at its operation (`job`: a job, or a process whose calls come from several threads)."""
-    if kill.point.kind == "step" and not whole_recording:
+    if kill.point.at_step and not whole_recording:
         return OnLog(str(rank_log), log_write_count(view, kill.point.index + 1))
     return AtOperation(kill, view, stable, ckpt, job=job)
 
@@ -394,7 +394,7 @@ def check_fault_landed(kill: PlannedKill, planned: recording.RecordedRun, landed
     """For a storage error or a signal delivered by count: raise CrashNotLanded unless it hit the
     planned operation after the same operations (a step point: the same operations before it)."""
     k = kill.mutations_before
-    if kill.point.kind == "step":
+    if kill.point.at_step:
         lined_up = alignment.align(planned, landed, upto=k)
         if lined_up.divergence is not None:
             raise CrashNotLanded(f"fault at {kill.point} did not land at {kill.text}: "

@@ -142,12 +142,17 @@ def serve(preload: list[str]) -> None:
     """Single-threaded (forking from a threaded process is unsafe): a select loop over requests on
     stdin and SIGCHLD (through a wakeup pipe); several children may run at once."""
     import torch  # noqa: F401  (import only: no tensor op, no CUDA call before forking)
-    try:
-        # torch imports dynamo lazily on the first optimizer construction: seconds per child
-        # unless the parent has imported it (import only; it starts no thread).
-        import torch._dynamo  # noqa: F401
-    except Exception as exc:
-        print(f"forkserver: cannot preload torch._dynamo: {exc!r}", file=sys.stderr)
+    # torch imports these lazily in every child otherwise: dynamo on the first optimizer
+    # construction (seconds), the profiler's CUPTI monitor on the first optimizer step and the
+    # serialization helpers on the first torch.save (~10 ms together, per trial process). Import
+    # only; none starts a thread. A module this torch lacks is simply not preloaded.
+    for lazy in ("torch._dynamo", "torch.profiler._cupti_monitor", "torch.utils.serialization"):
+        try:
+            importlib.import_module(lazy)
+        except ModuleNotFoundError:
+            pass
+        except Exception as exc:
+            print(f"forkserver: cannot preload {lazy}: {exc!r}", file=sys.stderr)
     # Bytecode may be cached for the trainer's module here, so children running it as __main__
     # skip compiling it; children never write bytecode (it would shift their write counts).
     sys.dont_write_bytecode = False

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from .crash import CrashPoint
+
 if TYPE_CHECKING:
-    from .recording import Op
+    from .recording import Op, RecordedRun
 
 _COMMIT_LIKE = frozenset({"rename", "link", "symlink", "unlink", "rmdir"})
 _BRINGS_DATA = frozenset({"create", "mkdir", "write", "copy", "link", "symlink"})
@@ -103,3 +105,24 @@ def surely_committed_by(windows: dict[int, list[int]], ops, save_every: int, tot
         if s:
             out[s] = last.after_step if not last.lane else max(last.after_step, min(s + save_every, total_steps))
     return out
+
+
+def name_point(run: RecordedRun, k: int, rank: int | None = None) -> CrashPoint:
+    """The crash point at mutation `k` of `run` (a process's or a rank's own run), named by its
+    save and thread (`save:s/tL/i`) so that a replay finds the same operation however threads
+    interleave; an operation outside any save by its ordinal among the targetable ones (`fs:n`)."""
+    i = run.mutations[k]
+    op = run.ops[i]
+    if not op.save:
+        return CrashPoint("fs", run.crash_points().index(k), rank)
+    return CrashPoint("save", op.save, rank, op=run.position_in_save(i), thread=op.lane)
+
+
+def locate_point(run: RecordedRun, point: CrashPoint) -> int | None:
+    """The mutation (its position in `run.mutations`) a save point names in `run` (a process's or
+    a rank's own run), or None when that save has no such operation on that thread, or a kill by
+    count there could land elsewhere (not targetable)."""
+    lane = [i for i in run.windows().get(point.index, []) if run.ops[i].lane == point.thread]
+    if point.op > len(lane) or not run.ops[lane[point.op - 1]].targetable:
+        return None
+    return run.mutations.index(lane[point.op - 1])

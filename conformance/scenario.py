@@ -19,7 +19,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from . import recording, strace
+from . import recording, saves, strace
 from .adapters import TrainerAdapter
 from .crash import CrashPoint, Schedule
 from .delivery import (  # noqa: F401  (CrashNotLanded, CrashPointMissing: re-exported for the checks)
@@ -30,14 +30,15 @@ from .runners import Runner, Tracing, traced_run
 
 def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
     """The kill for `point` in a process (or a job) whose uninterrupted run is `run`; None if it
-    cannot be hit. `fs:i` counts targetable mutations (of the point's rank) and wraps around, so
-    every drawn index names one."""
+    cannot be hit. `save:s/tL/i` names an operation by its save and thread (saves.locate_point);
+    `fs:i` counts targetable mutations (of the point's rank) and wraps around, so every drawn
+    index names one."""
     try:
         view = run.rank_view(point.on_rank)
     except KeyError:
         return None
     who = f"rank {point.on_rank}: " if run.is_job else ""
-    if point.kind == "step":
+    if point.at_step:
         log = view.step_logs.get(point.index + 1)
         if log is None or (point.index + 1) not in view.step_logs:
             return None
@@ -47,16 +48,36 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
         flying = view.in_flight_by_step(point.index)   # it may commit before the kill, or not
         return PlannedKill(point, log.name, log.nth, f"{who}logging step {point.index + 1}", before, newest, flying,
                            max(own, newest, flying or 0))
-    points = view.crash_points()
-    if not points:
-        return None
-    k = points[point.index % len(points)]
+    if point.kind == "save":
+        k = saves.locate_point(view, point)
+        if k is None:
+            return None
+    else:
+        points = view.crash_points()
+        if not points:
+            return None
+        k = points[point.index % len(points)]
     op = view.ops[view.mutations[k]]
     save = view.in_progress(op.index)
     own = view.committed_before(op.index)
     newest = run.committed_before(run.merged_index(op.rank, op.index)) if run.is_job else own
     where = f"{who}{view.role(op.index)}: {op.describe()}"
     return PlannedKill(point, op.syscall, op.nth, where, k, newest, save, max(own, newest, save or 0))
+
+
+def _what_there(run: recording.RecordedRun, point: CrashPoint) -> str:
+    """What the process's trace has where `point` looked, for the message that it is not there."""
+    if point.on_rank not in (run.ranks or {0: 0}):
+        return f"no rank {point.on_rank}"
+    view = run.rank_view(point.on_rank)
+    if point.kind != "save":
+        return f"{len(view.crash_points())} targetable filesystem operations"
+    lane = [i for i in view.windows().get(point.index, []) if view.ops[i].lane == point.thread]
+    thread = f"background thread {point.thread}" if point.thread else "its logging thread"
+    if point.op <= len(lane):
+        return (f"operation {point.op} of the save of step {point.index} on {thread} is "
+                f"{view.ops[lane[point.op - 1]].describe()}, which a kill by count cannot hit exactly")
+    return f"the save of step {point.index} has {len(lane)} operation(s) on {thread}"
 
 
 @dataclasses.dataclass
@@ -110,10 +131,8 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
             crashed[-1].resumed_from = started_from
         kill = plan(point, own)
         if kill is None:
-            ops = len(own.rank_view(point.on_rank).crash_points()) if point.on_rank in (own.ranks or {0: 0}) else 0
-            what = (f"crash point {point} does not exist in process {i + 1}'s trace "
-                    f"({ops} targetable filesystem operations"
-                    + (f", resumed from step {started_from})" if i else ")"))
+            what = f"crash point {point} does not exist in process {i + 1}'s trace ({_what_there(own, point)}" + (
+                f", resumed from step {started_from})" if i else ")")
             raise CrashPointMissing(what) if i else CrashNotLanded(what)
         log = (workdir / f"p{i}-loss.jsonl").resolve()
         before = frozenset(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*"))

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from .crash import CrashPoint, Schedule
 from .recording import RecordedRun
+from .saves import name_point
 
 
 # Hypothesis starts from, and shrinks towards, the first element of a sampled list. The lists
@@ -45,7 +46,7 @@ def after_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
 
 
 def _ordered_fs(baseline: RecordedRun, only_inside: bool, from_end: bool = False) -> list[int]:
-    """Ordinals of `fs:i` crash points (into the targetable mutations), most telling first; with
+    """Ordinals into the targetable mutations (`run.crash_points()`), most telling first; with
     `from_end`, each save's writes from its last one backwards, then its other operations."""
     targetable = baseline.crash_points()
     owner = {k: baseline.ops[baseline.mutations[k]].save for k in targetable}
@@ -73,23 +74,27 @@ def _ordered_fs(baseline: RecordedRun, only_inside: bool, from_end: bool = False
                                            abs(n - centre) if n in in_pivot else n))
 
 
+def named(run: RecordedRun, ordinals: list[int], rank: int | None) -> list[CrashPoint]:
+    """The crash points at these ordinals (into `run.crash_points()`), in order, each named by its
+    save and thread where it has one (saves.name_point), so a replay finds the same operation."""
+    targetable = run.crash_points()
+    return [name_point(run, targetable[n], rank) for n in ordinals] or [CrashPoint("fs", 0, rank)]
+
+
 def fs_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
-    return per_rank(baseline, lambda run, r: st.sampled_from(_ordered_fs(run, False) or [0]).map(
-        lambda i: CrashPoint("fs", i, r)))
+    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, False), r)))
 
 
 def in_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
-    """fs points that fall inside a save (after some step was logged), where torn state lives."""
-    return per_rank(baseline, lambda run, r: st.sampled_from(_ordered_fs(run, True) or [0]).map(
-        lambda k: CrashPoint("fs", k, r)))
+    """Points at operations inside a save (after some step was logged), where torn state lives."""
+    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True), r)))
 
 
 def save_end_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     """In-save points of every rank, each save from its end backwards: where a rank that follows
     finishes its part after (or without) the commit, and a missing barrier or a per-rank commit
     shows."""
-    return per_rank(baseline, lambda run, r: st.sampled_from(_ordered_fs(run, True, from_end=True) or [0]).map(
-        lambda k: CrashPoint("fs", k, r)))
+    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True, from_end=True), r)))
 
 
 def later_points(ranks: list[int | None] | None = None) -> st.SearchStrategy[CrashPoint]:
@@ -118,7 +123,7 @@ def error_points(baseline: RecordedRun, error: str) -> st.SearchStrategy[CrashPo
         kind = {n: run.ops[run.mutations[run.crash_points()[n]]].syscall for n in allowed}
         ordered = [n for n in _ordered_fs(run, True) if n in allowed]
         ordered.sort(key=lambda n: kind[n] not in first)   # stable: the middle save stays first in each group
-        return st.sampled_from(ordered or [0]).map(lambda n: CrashPoint("fs", n, rank))
+        return st.sampled_from(named(run, ordered, rank))
     return per_rank(baseline, points)
 
 

@@ -93,15 +93,17 @@ def latest_valid(directory: str | os.PathLike) -> CheckpointInfo | None:
 
 
 
-def check_committed(info: CheckpointInfo) -> None:
+def check_committed(info: CheckpointInfo) -> dict[str, Any] | None:
     """Retention's check: committed and complete (index and sizes; a single file exists by
-    atomic rename). Full hash verification is left to loading, so retention stays cheap."""
+    atomic rename). Full hash verification is left to loading, so retention stays cheap.
+    Returns the index it read (sharded), which `read_meta` can take instead of reading it again."""
     if info.layout == "sharded":
-        check_sizes(info.path)
-    elif info.layout == "chain":
+        return check_sizes(info.path)
+    if info.layout == "chain":
         chain.read_chain(info.path)
     elif not info.path.is_file():
         raise CheckpointError(info.path, "not a regular file")
+    return None
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -119,12 +121,13 @@ def remove_checkpoint(path: Path) -> None:
 _FILE_META: dict[tuple[str, int, int], dict[str, Any]] = {}
 
 
-def read_meta(info: CheckpointInfo) -> dict[str, Any]:
+def read_meta(info: CheckpointInfo, index: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the checkpoint records about itself, read cheaply where the layout allows (the
-    index or manifest): `metric`, and `meta` (lineage, why it was saved, best). Raises
-    CheckpointError if it cannot be read."""
+    index or manifest): `metric`, and `meta` (lineage, why it was saved, best). `index`: a
+    sharded checkpoint's index as `check_committed` just read it. Raises CheckpointError if it
+    cannot be read."""
     if info.layout == "sharded":
-        record = read_index(info.path)
+        record = index if index is not None else read_index(info.path)
     elif info.layout == "chain":
         record = chain.read_manifest(info.path)[0]
     else:

@@ -378,9 +378,10 @@ class CheckpointManager:
         infos = self.checkpoints()
         valid: list[CheckpointInfo] = []
         invalid: list[CheckpointInfo] = []
+        indexes = {}
         for info in infos:
             try:
-                check_committed(info)
+                indexes[info.path] = check_committed(info)
                 valid.append(info)
             except CheckpointError:
                 invalid.append(info)
@@ -400,7 +401,7 @@ class CheckpointManager:
         candidates = []
         for info in valid:
             try:
-                meta = read_meta(info)
+                meta = read_meta(info, indexes[info.path])
             except CheckpointError:
                 meta = {}
             candidates.append(tiering.candidate(info.path.name, info.step, meta, tiering.needs_of(info)))

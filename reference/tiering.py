@@ -81,9 +81,10 @@ def run_pass(tier: ColdTier, run_dir: Path, branch: str, policy: Policy,
     result = PassResult()
     sync_run_records(tier, run_dir, branch)
     hot: dict[str, CheckpointInfo] = {}
+    indexes = {}
     for info in list_checkpoints(directory):
         try:
-            check_committed(info)
+            indexes[info.path.name] = check_committed(info)
         except CheckpointError:
             continue
         hot[info.path.name] = info
@@ -91,7 +92,7 @@ def run_pass(tier: ColdTier, run_dir: Path, branch: str, policy: Policy,
     metas = {}
     for name, info in hot.items():
         try:
-            metas[name] = read_meta(info)
+            metas[name] = read_meta(info, indexes[name])
         except CheckpointError:
             metas[name] = {}
     needs = {name: needs_of(info) for name, info in hot.items()}

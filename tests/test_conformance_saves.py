@@ -145,3 +145,24 @@ def test_a_step_kill_while_a_save_is_in_flight_allows_that_save_too():
     kill = plan(CrashPoint("step", 4), run)            # logging step 5: save 3 commits after it, or before
     assert kill.newest_committed == 0 and kill.allowed_resumes() == {0, 3}
     assert plan(CrashPoint("step", 6), run).allowed_resumes() == {3, 6}
+
+
+def test_a_crash_point_named_by_its_save_and_thread_replays_the_same_operation_however_threads_interleave():
+    from conformance.crash import CrashPoint
+    from conformance.saves import name_point
+    from conformance.scenario import plan
+    retention = f'{MAIN}  unlink("/ck/ckpt-0-old") = 0'
+    staged = staged_save(3, 200)
+    a = build([log(1), log(2), log(3)] + staged + [retention, log(4)] + commit(3, MAIN) + [log(5), log(6)], total=6)
+    b = build([log(1), log(2), log(3), retention] + staged + [log(4)] + commit(3, MAIN) + [log(5), log(6)], total=6)
+    fsync_a = next(k for k in a.crash_points() if a.ops[a.mutations[k]].kind == "fsync")
+    point = name_point(a, fsync_a)
+    assert str(point) == "save:3/t1/4" and CrashPoint.parse(str(point)) == point
+    in_a, in_b = plan(point, a), plan(point, b)
+    assert in_a.text == in_b.text == "fsync #4 of the save of step 3 (background thread 1): fsync .tmp-ckpt-3/model"
+    # The same operation's ordinal among the targetable ones is another in each run: `fs:i`
+    # would name the unlink in one and the fsync in the other.
+    ordinal = a.crash_points().index(fsync_a)
+    assert plan(CrashPoint("fs", ordinal), b).text != in_a.text
+    # A save point that names no operation of this run is not planned (another point is drawn).
+    assert plan(CrashPoint("save", 3, op=9, thread=1), b) is None and plan(CrashPoint("save", 6, op=1), b) is None

@@ -13,7 +13,9 @@ from conformance.crash import CrashPoint, format_schedule, parse_schedule
 from conformance.failures import fail, loss_mismatches, replay_command
 from conformance.process import RunSpec, read_losses
 
-points = st.builds(CrashPoint, st.sampled_from(["step", "fs"]), st.integers(0, 10_000))
+ranks = st.none() | st.integers(0, 7)
+points = st.builds(CrashPoint, st.sampled_from(["step", "fs"]), st.integers(0, 10_000), ranks) | st.builds(
+    CrashPoint, st.just("save"), st.integers(1, 10_000), ranks, op=st.integers(1, 500), thread=st.integers(0, 4))
 
 
 @given(st.lists(points, max_size=4).map(tuple))
@@ -21,7 +23,8 @@ def test_schedule_text_round_trips(schedule):
     assert parse_schedule(format_schedule(schedule)) == schedule
 
 
-@pytest.mark.parametrize("bad", ["rename:1", "fs:-1", "fs:x", "step"])
+@pytest.mark.parametrize("bad", ["rename:1", "fs:-1", "fs:x", "step", "save:12", "save:0/1", "save:4/0",
+                                 "save:4/x1/2", "save:4/t1", "fs:3/1", "step:2/t1/1"])
 def test_bad_crash_points_are_refused(bad):
     with pytest.raises(ValueError):
         parse_schedule(bad)

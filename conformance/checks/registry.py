@@ -62,14 +62,14 @@ class Check:
                                      else None)) from None
 
 
-_SCHEDULE = CaseOption("schedule", "crash schedule, e.g. fs:9,step:4", parse_schedule, required=True)
+_SCHEDULE = CaseOption("schedule", "crash schedule, e.g. save:6/3,step:4", parse_schedule, required=True)
 _STATE = CaseOption("state", "one state, by label (e.g. 37, or 37t for a torn write)")
 _FILE = CaseOption("file", "one damaged file, relative to the checkpoint directory (e.g. pieces/3f2a...)")
 _COLD_OP = CaseOption("cold_op", "kill before this change to the cold tier (1-based; past the last: no kill)", int,
                       required=True)
 _COLD_FAULT = CaseOption("cold_fault", "a fault at a change to the cold tier: kill:N (die just before change N) or "
                          "garble:N (flip a byte of the object change N wrote)", ColdFault.parse, required=True)
-_POINT = CaseOption("point", "one fault point, e.g. fs:9 or step:4", CrashPoint.parse, required=True)
+_POINT = CaseOption("point", "one fault point, e.g. save:6/3 or step:4", CrashPoint.parse, required=True)
 
 
 def _no_lost_work_points(baseline, where: str) -> st.SearchStrategy[Schedule]:
