@@ -184,7 +184,7 @@ def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.P
     if world_size is not None:
         found = dataclasses.replace(found, world_size=checked_world_size(world_size, "--world-size"))
     try:
-        found.total_steps
+        _ = found.total_steps     # its steps= capability, checked
     except ValueError as exc:
         raise AdapterError(str(exc), "declare one capability like 'steps=30' (or none: 14 steps)") from None
     return found

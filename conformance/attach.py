@@ -44,7 +44,7 @@ class RankAttacher:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def start(self) -> "RankAttacher":
+    def start(self) -> RankAttacher:
         if self.straces:
             self._thread.start()
         return self

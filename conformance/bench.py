@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .bench_ab import ab, format_ab, interleaved_trials, spread
 from .readme import replace_section
 
 TARGETS = {"trial_vs_import": ("<=", 0.1), "script_trial_vs_import": ("<=", 0.1),
@@ -68,11 +69,10 @@ class TrialTimer:
     def __init__(self, runner_kind: str, workdir: Path, *, script: bool = False, multirank: bool = False):
         from .adapters import command_adapter, resolve
         from .checks import Session
-        from .crash import CrashPoint
         from .process import RunSpec
         from .runners import SubprocessRunner, WarmRunner
         from .settings import SEED, TOTAL_STEPS
-        from .strategies import _ordered_fs
+        from .strategies import first_in_save_point
 
         runner = WarmRunner() if runner_kind == "warm" else SubprocessRunner()
         adapter = resolve(None, None)
@@ -88,7 +88,7 @@ class TrialTimer:
             self.spec = RunSpec(TOTAL_STEPS, 3, SEED, adapter.world_size)
             baseline = self.session.baseline(self.spec)
             rank = 1 if multirank else None
-            self.point = CrashPoint("fs", _ordered_fs(baseline.rank_view(rank or 0), True)[0], rank)
+            self.point = first_in_save_point(baseline.rank_view(rank or 0), rank)
             self.once()   # warm-up: the fork server's imports are paid once
         except BaseException:
             self.session.close()
@@ -113,28 +113,6 @@ def trial_seconds(runner_kind: str, repeats: int, workdir: Path, *, script: bool
         return median, times, str(timer.point)
     finally:
         timer.close()
-
-
-def interleaved_trials(first: TrialTimer, second: TrialTimer, repeats: int) -> tuple[list[float], list[float]]:
-    """`repeats` trials of each, alternating (ABBA...), so that the machine's background load hits
-    both alike; round r's two times form one pair."""
-    a, b = [], []
-    for r in range(repeats):
-        if r % 2:
-            b.append(second.once())
-            a.append(first.once())
-        else:
-            a.append(first.once())
-            b.append(second.once())
-    return a, b
-
-
-def spread(values: list[float]) -> tuple[float, float]:
-    """25th and 75th percentile."""
-    if len(values) < 2:
-        return values[0], values[0]
-    q1, _, q3 = statistics.quantiles(sorted(values), n=4, method="inclusive")
-    return q1, q3
 
 
 def states_per_minute(workdir: Path) -> tuple[float, int, float]:
@@ -331,7 +309,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.ab:
-        from .bench_ab import ab, format_ab
         ab_result = ab(Path(args.ab), max(1, args.rounds))
         print(json.dumps(ab_result, indent=1) if args.json else format_ab(ab_result))
         return 0

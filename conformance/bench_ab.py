@@ -11,7 +11,28 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .bench import interleaved_trials, spread
+
+def interleaved_trials(first, second, repeats: int) -> tuple[list[float], list[float]]:
+    """`repeats` trials of each (`first.once()`, `second.once()`: seconds), alternating (ABBA...),
+    so that the machine's background load hits both alike; round r's two times form one pair."""
+    a, b = [], []
+    for r in range(repeats):
+        if r % 2:
+            b.append(second.once())
+            a.append(first.once())
+        else:
+            a.append(first.once())
+            b.append(second.once())
+    return a, b
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """25th and 75th percentile."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(sorted(values), n=4, method="inclusive")
+    return q1, q3
+
 
 # -- A/B against another checkout -------------------------------------------------------------------
 # Run by each side's interpreter with its checkout as the working directory and first on sys.path,

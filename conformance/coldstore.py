@@ -193,8 +193,8 @@ class LoopbackS3:
     process's environment, which every trainer process inherits. `stop()` takes them back out."""
 
     def __init__(self, url: str):
-        from moto.server import ThreadedMotoServer       # the s3-test extra
         import boto3
+        from moto.server import ThreadedMotoServer  # the s3-test extra
         bucket = url.split("://", 1)[1].split("/", 1)[0]
         if not bucket:
             raise ValueError(f"cold tier URL {url!r} names no bucket")

@@ -62,7 +62,7 @@ class CrashPoint:
         return self.kind == "step"
 
     @classmethod
-    def parse(cls, text: str) -> "CrashPoint":
+    def parse(cls, text: str) -> CrashPoint:
         body, at, rank = text.strip().partition("@")
         kind, _, where = body.partition(":")
         try:
@@ -117,7 +117,7 @@ class ColdFault:
         return f"{self.kind}:{self.n}"
 
     @classmethod
-    def parse(cls, text: str) -> "ColdFault":
+    def parse(cls, text: str) -> ColdFault:
         kind, _, n = text.strip().partition(":")
         try:
             return cls(kind, int(n))

@@ -67,7 +67,7 @@ class Evidence:
         return {"kind": self.kind, **jsonable(dataclasses.asdict(self)), "summary": self.summary()}
 
     @staticmethod
-    def from_json(data: dict[str, Any]) -> "Evidence":
+    def from_json(data: dict[str, Any]) -> Evidence:
         cls = _KINDS.get(data.get("kind", ""))
         if cls is None:
             return Note(f"unknown evidence kind {data.get('kind')!r}")

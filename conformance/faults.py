@@ -58,7 +58,7 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     training (exit 0) the next start runs on the directory as it was when the process had logged
     step k (rebuilt offline from that recording: exact, where stopping the process from outside
     would race it), not as the whole run left it. `stable`: paths the same in every run (a job's
-    fault on one is delivered by path, as a kill is; scenario.path_delivery)."""
+    fault on one is delivered by path, as a kill is; delivery.choose_route)."""
     ckpt = (workdir / "ckpt").resolve()
     if ckpt.exists():
         shutil.rmtree(ckpt)

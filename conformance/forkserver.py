@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import queue
-import runpy
 import shutil
 import signal
 import subprocess
@@ -37,6 +36,7 @@ import threading
 from pathlib import Path
 
 from .adapters import TrainerAdapter
+from .child import run_target
 
 # What a server that forks jobs imports besides torch: torchrun's launcher and the collectives.
 JOB_PRELOAD = ["torch.distributed.run", "torch.distributed.launcher.api",
@@ -54,7 +54,7 @@ class WarmTarget:
     argv: tuple[str, ...]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def imports_same_torch(interpreter: str) -> bool:
     """Whether `interpreter` imports the torch this process would (same files): then its trainer
     processes can be forked from a warm server run by that interpreter."""
@@ -85,29 +85,6 @@ def warm_target(adapter: TrainerAdapter) -> tuple[WarmTarget | None, str]:
 
 
 # -- server side ----------------------------------------------------------------------------------
-def _run_module(module: str, argv: list[str], env: dict[str, str], kind: str = "module") -> int:
-    os.environ.clear()
-    os.environ.update(env)
-    code = 0
-    try:
-        if kind == "script":   # as `python script.py`: its directory first on sys.path
-            sys.argv = [module] + argv
-            sys.path.insert(0, os.path.dirname(module))
-            runpy.run_path(module, run_name="__main__")
-        else:
-            sys.argv = [module] + argv
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        code = 1
-    return code
-
-
 def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int,
            then_env: dict[str, str] | None = None, kind: str = "module", job: list[str] | None = None) -> None:
     if job is not None:
@@ -128,9 +105,9 @@ def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
         from .rank import run_job
         code = run_job(job, module, argv, kind)
     else:
-        code = _run_module(module, argv, env, kind)
+        code = run_target(module, argv, env, kind)
     if code == 0 and then_env is not None:   # a second run in the same process (diagnosis)
-        code = _run_module(module, argv, then_env, kind)
+        code = run_target(module, argv, then_env, kind)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -253,7 +230,7 @@ class ForkServer:
         self.proc = subprocess.Popen([interpreter or sys.executable, "-m", "conformance.forkserver", *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._send_lock = threading.Lock()
-        self._replies: dict[int, "queue.Queue[dict]"] = {}
+        self._replies: dict[int, queue.Queue[dict]] = {}
         self._ids = itertools.count()
         self._dead = False
         self._reader = threading.Thread(target=self._read_replies, daemon=True)
@@ -275,7 +252,7 @@ class ForkServer:
             self.proc.stdin.flush()
 
     @staticmethod
-    def _get(q: "queue.Queue[dict]", timeout: float | None = None) -> dict:
+    def _get(q: queue.Queue[dict], timeout: float | None = None) -> dict:
         """The next reply for one request; raises queue.Empty after `timeout` seconds."""
         msg = q.get(timeout=timeout)
         if "error" in msg:
@@ -290,7 +267,7 @@ class ForkServer:
         why it was stopped or None). With `job` (torchrun flags) the child is a job: its agent
         and ranks are stopped together."""
         rid = next(self._ids)
-        q: "queue.Queue[dict]" = queue.Queue()
+        q: queue.Queue[dict] = queue.Queue()
         self._replies[rid] = q
         try:
             if self._dead:   # registered after the reader's last word: no reply will ever come

@@ -20,9 +20,9 @@ from . import report as reports
 from . import settings as _settings  # noqa: F401  (registers the Hypothesis profiles)
 from .adapters import AdapterError, TrainerAdapter, checked_world_size, resolve
 from .checks import Session
+from .launch import JobConfig
 from .runners import SubprocessRunner, WarmRunner
 from .settings import DEFAULT_GRACE_S, DEFAULT_TOL
-from .launch import JobConfig
 from .usage import describe_setup, multirank_problems, unknown_ini_keys
 
 OPTIONS = {   # name -> (command-line flag, ini key)
@@ -72,7 +72,7 @@ def pytest_addoption(parser):
                     help="lines '<check id> : <reason>': those checks are expected to fail (strict)")
     group.addoption("--expected-failures-lenient", action="store_true", default=False,
                     help="a listed check that passes does not fail the run")
-    for name, (flag, ini) in OPTIONS.items():
+    for flag, ini in OPTIONS.values():
         parser.addini(ini, f"default for {flag}")
 
 

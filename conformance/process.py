@@ -34,7 +34,7 @@ class RunSpec:
     def is_job(self) -> bool:
         return self.world_size > 1 or self.torchrun
 
-    def but(self, **changes) -> "RunSpec":
+    def but(self, **changes) -> RunSpec:
         """This spec with some numbers changed (the world size kept unless named)."""
         return dataclasses.replace(self, **changes)
 

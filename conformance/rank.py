@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from . import launch
+from .child import run_target
 
 
 def _setup_rank() -> tuple[int, list[str]]:
@@ -43,7 +44,6 @@ def main(argv: list[str]) -> None:
 def warm_rank(target: str, argv: list[str], kind: str) -> None:
     """Warm mode, in a rank forked by torchrun's agent: wait for strace if traced, run the trainer,
     and exit with its status."""
-    from .forkserver import _run_module
     # A fresh rank starts with default signal dispositions; a forked one would inherit the agent's
     # SIGTERM/SIGINT handlers, which only raise an exception when the interpreter next runs: a rank
     # blocked in a collective after a peer died would then ignore the agent's SIGTERM.
@@ -60,7 +60,7 @@ def warm_rank(target: str, argv: list[str], kind: str) -> None:
         os.replace(tmp, Path(announce) / f"rank{rank}")
         os.read(fd, 1)                  # released once strace is attached
         os.close(fd)
-    code = _run_module(target, argv, dict(os.environ), kind)
+    code = run_target(target, argv, dict(os.environ), kind)
     try:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -45,7 +45,7 @@ class Case:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Case":
+    def from_json(cls, data: dict[str, Any]) -> Case:
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in fields}
         values["evidence"] = [Evidence.from_json(e) for e in data.get("evidence") or []]
@@ -100,7 +100,7 @@ def environment(adapter: AdapterInfo | None, profile: str | None, cases: list[Ca
         except Exception:  # pragma: no cover - reported as missing
             versions[name] = None
     return Report(versions, adapter, profile, platform.platform(),
-                  _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                  _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                   sorted(cases, key=lambda c: c.check), header)
 
 

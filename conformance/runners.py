@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Protocol
 
 from . import launch, recording, strace
-from .attach import RankAttacher, attach_strace
 from .adapters import TrainerAdapter
+from .attach import RankAttacher, attach_strace
 from .process import ProcessResult, RunSpec, copy_checkpoint_dir, read_job_losses, read_losses
 from .watchdog import Limits, ProcessOverran, Stop, Watchdog
 
@@ -39,7 +39,7 @@ class Tracing:
     ranks: dict[int, tuple[tuple[str, ...], Path]]
 
     @classmethod
-    def each(cls, spec: RunSpec, trace_file: Path, argv_for, ranks=None) -> "Tracing":
+    def each(cls, spec: RunSpec, trace_file: Path, argv_for, ranks=None) -> Tracing:
         """Every rank (or those in `ranks`) traced with `argv_for(its trace file)`; a single
         process uses `trace_file` itself, rank r of a job `<trace_file>.rank<r>`."""
         if not spec.is_job:

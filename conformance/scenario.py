@@ -19,11 +19,10 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from . import recording, saves, strace
+from . import recording, saves
 from .adapters import TrainerAdapter
 from .crash import CrashPoint, Schedule
-from .delivery import (  # noqa: F401  (CrashNotLanded, CrashPointMissing: re-exported for the checks)
-    CrashNotLanded, CrashPointMissing, DirectorySnapshot, PlannedKill, choose_route, deliver)
+from .delivery import CrashNotLanded, CrashPointMissing, DirectorySnapshot, PlannedKill, choose_route, deliver  # noqa: F401  (CrashNotLanded, CrashPointMissing: re-exported for the checks)
 from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Tracing, traced_run
 

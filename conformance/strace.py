@@ -5,8 +5,10 @@ Everything the suite learns from a trace goes through `parse`: it turns strace's
 `inject=...:when=N` counts it, the entry a KILL stopped marked). `recording.py` builds the model
 of a run from these; nothing else reads strace output.
 
-strace 6.1 notes: `-P` and `--seccomp-bpf` are never used, because with them strace silently skips
-signal injection; `when=N` counts per thread and per syscall.
+strace 6.1 notes: `--seccomp-bpf` is never used, because with it strace silently skips signal
+injection. `-P PATH` is used only where it was measured to inject (`inject_on_path_argv`: a loss
+log's writes, a path every run shares), counting only the calls on that path. `when=N` counts per
+thread and per syscall.
 """
 from __future__ import annotations
 

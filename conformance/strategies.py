@@ -7,7 +7,6 @@ from .crash import CrashPoint, Schedule
 from .recording import RecordedRun
 from .saves import name_point
 
-
 # Hypothesis starts from, and shrinks towards, the first element of a sampled list. The lists
 # below are ordered so that the first examples are the most telling: a resume from a mid-run,
 # mid-epoch checkpoint with steps left to compare, rather than a kill before anything was saved.
@@ -79,6 +78,12 @@ def named(run: RecordedRun, ordinals: list[int], rank: int | None) -> list[Crash
     save and thread where it has one (saves.name_point), so a replay finds the same operation."""
     targetable = run.crash_points()
     return [name_point(run, targetable[n], rank) for n in ordinals] or [CrashPoint("fs", 0, rank)]
+
+
+def first_in_save_point(run: RecordedRun, rank: int | None = None) -> CrashPoint:
+    """The most telling point inside a save of `run` (a process's or a rank's own run): the
+    first a check draws, and what a benchmark's trial kills at."""
+    return named(run, _ordered_fs(run, True)[:1], rank)[0]
 
 
 def fs_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:

@@ -12,27 +12,35 @@
 from .atomic import atomic_write, atomic_write_bytes, remove_stale_temps
 from .chain import BrokenChainError
 from .codec import Compression
-from .data_order import ResumableBatchSampler
-from .errors import (CheckpointError, CheckpointWriteError, CorruptCheckpointError, IncompleteCheckpointError,
-                     InvalidIndexError, RNGRestoreError, SchemaError, UnsafeCheckpointError)
 from .coldfs import ColdStorageError
+from .data_order import ResumableBatchSampler
+from .errors import (
+                     CheckpointError,
+                     CheckpointWriteError,
+                     CorruptCheckpointError,
+                     IncompleteCheckpointError,
+                     InvalidIndexError,
+                     RNGRestoreError,
+                     SchemaError,
+                     UnsafeCheckpointError,
+)
 from .lineage import NoSuchCheckpointError
+from .manager import CheckpointInfo, CheckpointManager, CheckpointSkippedWarning, latest_valid, list_checkpoints, load, verify
 from .preemption import PreemptionGuard
-from .tiers import ColdTierError
-from .triggers import TriggerStateError, any_of, every_seconds, every_steps, forced_only, hybrid, on_metric
-from .manager import (CheckpointInfo, CheckpointManager, CheckpointSkippedWarning, latest_valid,
-                      list_checkpoints, load, verify)
 from .rng import capture_rng, restore_rng
 from .schema import CURRENT_SCHEMA, CURRENT_VERSION, migrate, register_migration
 from .sharded import load_sharded, plan_shards, save_sharded, verify_sharded
 from .single_file import load_file, save_file
 from .state import TrainState, capture
+from .tiers import ColdTierError
+from .triggers import TriggerStateError, any_of, every_seconds, every_steps, forced_only, hybrid, on_metric
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BrokenChainError", "ColdStorageError", "ColdTierError", "NoSuchCheckpointError", "TriggerStateError",
-    "any_of", "every_seconds", "every_steps", "forced_only", "hybrid", "on_metric", "CURRENT_SCHEMA", "CURRENT_VERSION", "CheckpointError", "Compression", "CheckpointInfo", "CheckpointManager",
+    "any_of", "every_seconds", "every_steps", "forced_only", "hybrid", "on_metric", "CURRENT_SCHEMA", "CURRENT_VERSION",
+    "CheckpointError", "Compression", "CheckpointInfo", "CheckpointManager",
     "CheckpointWriteError", "PreemptionGuard",
     "CheckpointSkippedWarning", "CorruptCheckpointError", "IncompleteCheckpointError",
     "InvalidIndexError", "RNGRestoreError", "ResumableBatchSampler", "SchemaError", "TrainState",

@@ -10,10 +10,10 @@ import hashlib
 import os
 import re
 import secrets
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
-from typing import Callable
 
 from .errors import CheckpointWriteError, write_error
 
@@ -201,6 +201,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def is_live_temp(name: str) -> bool:
+    """Whether `name` is one of this library's temp files whose writer is still running: cleanup
+    (here, and a chain's sweep of unreferenced pieces) leaves it alone."""
+    m = _TEMP_RE.fullmatch(name)
+    return m is not None and _pid_alive(int(m.group("pid")))
+
+
 def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
     """Remove this library's temp files whose writer process is gone; touch nothing else."""
     removed: list[Path] = []
@@ -208,10 +215,7 @@ def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
     if not directory.is_dir():
         return removed
     for entry in os.scandir(directory):
-        m = _TEMP_RE.fullmatch(entry.name)
-        if m is None or not entry.is_file(follow_symlinks=False):
-            continue
-        if _pid_alive(int(m.group("pid"))):
+        if not is_temp_name(entry.name) or not entry.is_file(follow_symlinks=False) or is_live_temp(entry.name):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from . import codec
+from .atomic import is_live_temp
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, InvalidIndexError
 from .integrity import tensor_bytes
 from .loading import safe_torch_load
@@ -371,15 +372,8 @@ def orphans(directory: Path) -> tuple[list[Path], int]:
             live |= references(read_manifest(path)[0])
         except (CorruptCheckpointError, IncompleteCheckpointError):
             unreadable += 1
-    out = [Path(e.path) for e in os.scandir(store) if e.name not in live and not _live_temp(e.name)]
+    out = [Path(e.path) for e in os.scandir(store) if e.name not in live and not is_live_temp(e.name)]
     return sorted(out), unreadable
-
-
-def _live_temp(name: str) -> bool:
-    """A temp file of a writer that is still running (see atomic.remove_stale_temps)."""
-    from .atomic import _TEMP_RE, _pid_alive
-    m = _TEMP_RE.fullmatch(name)
-    return m is not None and _pid_alive(int(m.group("pid")))
 
 
 def sweep(directory: Path) -> list[Path]:

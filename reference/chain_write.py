@@ -19,8 +19,17 @@ import torch
 
 from . import codec
 from .atomic import atomic_write, fsync_dir, remove_stale_temps
-from .chain import (CHECKSUM_KEY, FORMAT, Parent, changed_rows, manifest_checksum, manifest_name, parent_from,
-                    pieces_dir, tensor_sha256)
+from .chain import (
+    CHECKSUM_KEY,
+    FORMAT,
+    Parent,
+    changed_rows,
+    manifest_checksum,
+    manifest_name,
+    parent_from,
+    pieces_dir,
+    tensor_sha256,
+)
 from .errors import write_error
 from .integrity import tensor_bytes
 from .schema import check_supported

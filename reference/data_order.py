@@ -7,7 +7,8 @@ batches by index, without reading the skipped data.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -44,8 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .atomic import atomic_write_bytes, fsync_dir
-from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError, \
-    write_error
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError, write_error
 from .integrity import sha256_file
 from .manager import CheckpointSkippedWarning
 from .rng import capture_rng, restore_rng
@@ -336,7 +335,7 @@ class DistributedCheckpointManager:
         if self.keep_last is None:
             return removed
         kept = 0
-        for step, path in committed_steps(self.directory):
+        for _step, path in committed_steps(self.directory):
             if path == just_saved or kept < self.keep_last:
                 kept += 1
                 continue

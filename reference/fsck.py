@@ -58,7 +58,8 @@ def collect_garbage(directory: Path, *, dry_run: bool, min_age: float) -> int:
             path.unlink(missing_ok=True)
         count, size = count + 1, size + st.st_size
         print(f"{'would remove' if dry_run else 'removed'} {chain.PIECES}/{path.name} ({st.st_size} bytes)")
-    print(f"gc: {count} orphan piece(s), {size} bytes {'would be removed (dry run; --no-dry-run removes)' if dry_run else 'removed'}")
+    fate = "would be removed (dry run; --no-dry-run removes)" if dry_run else "removed"
+    print(f"gc: {count} orphan piece(s), {size} bytes {fate}")
     return EXIT_OK
 
 
@@ -98,8 +99,3 @@ def run(args) -> int:
             f"it holds only {len(rows)} temp file(s) of interrupted saves")
     print(f"fsck: no checkpoints of this library found in {directory} ({what})", file=sys.stderr)
     return EXIT_NOTHING
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .__main__ import main as cli
-    return cli(["fsck", *(argv or [])])

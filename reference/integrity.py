@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

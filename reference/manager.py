@@ -17,17 +17,26 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from . import chain, chain_write, lineage, tiering, tree, triggers
 from .atomic import fsync_dir, remove_stale_temps
-from .catalog import (CheckpointInfo, CheckpointSkippedWarning, check_committed, latest_valid, list_checkpoints,
-                      load, read_meta, remove_checkpoint, verify)
+from .catalog import (
+    CheckpointInfo,
+    CheckpointSkippedWarning,
+    latest_valid,
+    list_checkpoints,
+    load,
+    read_meta,
+    remove_checkpoint,
+    verify,
+)
 from .codec import Compression
 from .errors import CheckpointError, write_error
-from .retention import keep_set
+from .retention import committed, keep_set
 from .sharded import GroupBy, save_sharded
 from .single_file import save_file
 from .tiers import ColdTier
@@ -376,15 +385,8 @@ class CheckpointManager:
         if self.keep_last is None and self.keep_best is None:
             return []
         infos = self.checkpoints()
-        valid: list[CheckpointInfo] = []
-        invalid: list[CheckpointInfo] = []
-        indexes = {}
-        for info in infos:
-            try:
-                indexes[info.path] = check_committed(info)
-                valid.append(info)
-            except CheckpointError:
-                invalid.append(info)
+        held, invalid = committed(infos)
+        valid = [h.info for h in held.values()]
         if not valid:
             return []
         anchor = next((i for i in valid if just_saved is not None and i.path == Path(just_saved)), None)
@@ -398,15 +400,9 @@ class CheckpointManager:
                 break
             else:
                 return []
-        candidates = []
-        for info in valid:
-            try:
-                meta = read_meta(info, indexes[info.path])
-            except CheckpointError:
-                meta = {}
-            candidates.append(tiering.candidate(info.path.name, info.step, meta, tiering.needs_of(info)))
-        keep = keep_set(candidates, keep_last=self.keep_last, keep_best=self.keep_best, best_mode=self.best_mode,
-                        anchor=anchor.path.name, protect_steps=lineage.branch_points(self.run_dir, self.branch))
+        keep = keep_set([h.candidate for h in held.values()], keep_last=self.keep_last, keep_best=self.keep_best,
+                        best_mode=self.best_mode, anchor=anchor.path.name,
+                        protect_steps=lineage.branch_points(self.run_dir, self.branch))
         doomed = [i for i in valid if i.path.name not in keep]
         doomed += [i for i in invalid if i.step < anchor.step and i.path.name not in keep]
         removed = []

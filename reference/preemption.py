@@ -31,7 +31,7 @@ class PreemptionGuard:
     def _handle(self, signum, frame) -> None:
         self.requested, self.received = True, signum
 
-    def __enter__(self) -> "PreemptionGuard":
+    def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():   # signals only reach the main thread
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)

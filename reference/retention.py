@@ -8,7 +8,12 @@ everything a kept checkpoint needs (a chained checkpoint's parents).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any
+
+from . import chain
+from .catalog import CheckpointInfo, check_committed, read_meta
+from .errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +23,52 @@ class Candidate:
     metric: float | None = None
     best: bool = False                 # marked best by the metric trigger when it was saved
     needs: tuple[str, ...] = ()        # names of the checkpoints it cannot load without
+
+
+def needs_of(info: CheckpointInfo) -> tuple[str, ...]:
+    """The checkpoints `info` cannot load without, itself included (a chain's ancestors)."""
+    if info.layout == "chain":
+        return tuple(p.name for p in chain.ancestors(info.path)) or (info.path.name,)
+    return (info.path.name,)
+
+
+def candidate(name: str, step: int, meta: dict, needs: tuple[str, ...]) -> Candidate:
+    trigger = meta.get("trigger") if isinstance(meta.get("trigger"), dict) else {}
+    metric = meta.get("metric")
+    return Candidate(name, step, float(metric) if isinstance(metric, (int, float)) else None,
+                     bool(trigger.get("best")), needs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A committed checkpoint of the hot directory as retention sees it."""
+
+    info: CheckpointInfo
+    meta: dict[str, Any]             # what it records about itself (read_meta; {} if unreadable)
+    needs: tuple[str, ...]
+
+    @property
+    def candidate(self) -> Candidate:
+        return candidate(self.info.path.name, self.info.step, self.meta, self.needs)
+
+
+def committed(infos: Iterable[CheckpointInfo]) -> tuple[dict[str, Held], list[CheckpointInfo]]:
+    """The committed checkpoints among `infos` by name (each index read once: check_committed
+    hands it to read_meta), and the ones that are not committed."""
+    held: dict[str, Held] = {}
+    invalid: list[CheckpointInfo] = []
+    for info in infos:
+        try:
+            index = check_committed(info)
+        except CheckpointError:
+            invalid.append(info)
+            continue
+        try:
+            meta = read_meta(info, index)
+        except CheckpointError:
+            meta = {}
+        held[info.path.name] = Held(info, meta, needs_of(info))
+    return held, invalid
 
 
 def keep_set(candidates: Iterable[Candidate], *, keep_last: int | None, keep_best: int | None,

@@ -7,7 +7,8 @@ refused with an error naming both versions.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import SchemaError
 

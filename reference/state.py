@@ -38,7 +38,7 @@ class TrainState:
     path: str | None = None
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any], path: str | None = None) -> "TrainState":
+    def from_payload(cls, payload: dict[str, Any], path: str | None = None) -> TrainState:
         missing = [k for k in _REQUIRED if k not in payload]
         if missing:
             raise SchemaError(path, f"payload lacks required field(s) {missing}")

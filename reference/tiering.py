@@ -22,13 +22,18 @@ import warnings
 from pathlib import Path
 
 from . import chain, lineage
-from .catalog import (CheckpointInfo, CheckpointSkippedWarning, check_committed, list_checkpoints, read_meta,
-                      remove_checkpoint, verify)
 from .atomic import atomic_write_bytes, fsync_dir
+from .catalog import (
+    CheckpointInfo,
+    CheckpointSkippedWarning,
+    list_checkpoints,
+    remove_checkpoint,
+    verify,
+)
 from .errors import CheckpointError
-from .retention import Candidate, keep_set
-from .tiers import ColdCheckpoint, ColdTier, checkpoint_files
 from .integrity import sha256_file as hash_file
+from .retention import candidate, committed, keep_set
+from .tiers import ColdCheckpoint, ColdTier, checkpoint_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,19 +56,6 @@ def branch_rel(branch: str) -> str:
     return "" if branch == lineage.MAIN else f"{lineage.BRANCHES}/{branch}"
 
 
-def needs_of(info: CheckpointInfo) -> tuple[str, ...]:
-    if info.layout == "chain":
-        return tuple(p.name for p in chain.ancestors(info.path)) or (info.path.name,)
-    return (info.path.name,)
-
-
-def candidate(name: str, step: int, meta: dict, needs: tuple[str, ...]) -> Candidate:
-    trigger = meta.get("trigger") if isinstance(meta.get("trigger"), dict) else {}
-    metric = meta.get("metric")
-    return Candidate(name, step, float(metric) if isinstance(metric, (int, float)) else None,
-                     bool(trigger.get("best")), needs)
-
-
 def _same_checkpoint(directory: Path, info: CheckpointInfo, cold: ColdCheckpoint) -> bool:
     """Whether the cold checkpoint holds this hot one: its commit file (index, manifest, or the
     single file) has the bytes the marker lists."""
@@ -80,23 +72,12 @@ def run_pass(tier: ColdTier, run_dir: Path, branch: str, policy: Policy,
     rel = branch_rel(branch)
     result = PassResult()
     sync_run_records(tier, run_dir, branch)
-    hot: dict[str, CheckpointInfo] = {}
-    indexes = {}
-    for info in list_checkpoints(directory):
-        try:
-            indexes[info.path.name] = check_committed(info)
-        except CheckpointError:
-            continue
-        hot[info.path.name] = info
+    held, _ = committed(list_checkpoints(directory))
+    hot = {name: h.info for name, h in held.items()}
+    metas = {name: h.meta for name, h in held.items()}
+    needs = {name: h.needs for name, h in held.items()}
     cold = {c.name: c for c in tier.list(rel)}
-    metas = {}
-    for name, info in hot.items():
-        try:
-            metas[name] = read_meta(info, indexes[name])
-        except CheckpointError:
-            metas[name] = {}
-    needs = {name: needs_of(info) for name, info in hot.items()}
-    candidates = [candidate(n, i.step, metas[n], needs[n]) for n, i in hot.items()]
+    candidates = [h.candidate for h in held.values()]
     candidates += [candidate(c.name, c.step, c.meta, c.needs) for c in cold.values() if c.name not in hot]
     newest_hot = max(hot.values(), key=lambda i: i.step, default=None)
     protect = lineage.branch_points(run_dir, branch)

@@ -24,9 +24,9 @@ from typing import Any
 from . import chain
 from .atomic import fsync_dir, temp_name_for
 from .coldfs import ColdStorageError, check_reachable, open_cold
-from .integrity import sha256_file
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, InvalidIndexError
 from .index import INDEX_NAME, read_index
+from .integrity import sha256_file
 
 MARKER_SUFFIX = ".cold.json"
 MARKER_FORMAT = "reference.cold/1"
@@ -144,8 +144,9 @@ class ColdTier:
         name = marker_name[:-len(MARKER_SUFFIX)]
         try:
             body = json.loads(raw)
-            if not (isinstance(body, dict) and body.get("format") == MARKER_FORMAT and body.get("sha256") == _marker_checksum(body)
-                    and isinstance(body.get("step"), int) and isinstance(body.get("files"), list) and body.get("name") == name):
+            if not (isinstance(body, dict) and body.get("format") == MARKER_FORMAT
+                    and body.get("sha256") == _marker_checksum(body) and isinstance(body.get("step"), int)
+                    and isinstance(body.get("files"), list) and body.get("name") == name):
                 raise ValueError("format, checksum, step or name")
             files = tuple(ColdFile(str(f["path"]), int(f["bytes"]), str(f["sha256"])) for f in body["files"])
             if any(f.path.startswith("/") or ".." in f.path.split("/") for f in files):

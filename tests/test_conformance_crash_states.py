@@ -207,3 +207,41 @@ def test_power_cuts_that_leave_the_same_directory_share_a_key(tmp_path):
                 cut.materialize(tmp_path / "a")
                 other.materialize(tmp_path / "b")
                 assert _tree(tmp_path / "a") == _tree(tmp_path / "b"), (i, j)
+
+
+def test_failing_states_keep_their_directories_and_passing_ones_are_removed(tmp_path):
+    """Crash states and power-loss states share one pool (checks.states.decide_states): with the
+    scratch directory elsewhere (a tmpfs), a failing state's directory is moved next to the
+    session's work files, even when deciding raises meanwhile."""
+    import dataclasses as dc
+    import tempfile
+    from types import SimpleNamespace
+
+    from conformance.checks.states import decide_states
+
+    @dc.dataclass(frozen=True)
+    class State:
+        label: str
+
+    scratch, work = tmp_path / "scratch", tmp_path / "work"
+    scratch.mkdir()
+    work.mkdir()
+    session = SimpleNamespace(scratch=scratch, workdir=work,
+                              case_dir=lambda name: Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch)))
+
+    def decide(state, d):
+        (d / "left.txt").write_text(state.label)
+        return (f"state {state.label} is bad" if state.label in ("3", "5") else None), None
+
+    failures = decide_states(session, "power-data", "power", [State(str(n)) for n in range(8)], decide)
+    assert sorted(s.label for s, _, _ in failures) == ["3", "5"]
+    kept = sorted(p.name.split("-")[1] for p in work.iterdir())
+    assert kept == ["3", "5"] and not list(scratch.iterdir())
+
+    def broken(state, d):
+        (d / "left.txt").write_text(state.label)
+        raise RuntimeError("the judge crashed")
+
+    with pytest.raises(RuntimeError):
+        decide_states(session, "states", "state", [State("9")], broken)
+    assert any(p.name.startswith("state-9-") for p in work.iterdir()) and not list(scratch.iterdir())

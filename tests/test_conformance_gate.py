@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.needs_strace]
 
 
 def test_the_catalogue_names_registered_checks():
-    for trainer, (bug, check) in CATALOGUE.items():
+    for trainer, (_bug, check) in CATALOGUE.items():
         assert check in BY_ID or split_id(check), f"{trainer}: {check} is not a registered check id"
 
 

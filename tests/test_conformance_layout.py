@@ -86,3 +86,63 @@ def test_readme_checks_table_is_the_registry():
         end += 1
     assert "\n".join(lines[start:end]) == markdown_table(), \
         "README's checks table is stale: regenerate it from conformance.checks.registry.markdown_table()"
+
+
+def test_the_checks_package_names_the_module_of_every_check():
+    import re
+
+    import conformance.checks as checks
+    from conformance.checks.registry import CHECKS
+    rows = dict(re.findall(r"^\| (\w+\.py) \| (.+) \|$", checks.__doc__, re.MULTILINE))
+    decided = {cid.strip() for ids in rows.values() for cid in ids.split(",")}
+    assert decided == {c.id for c in CHECKS}, "conformance/checks/__init__.py's table and the registry differ"
+    for module, ids in rows.items():
+        source = (REPO / "conformance" / "checks" / module).read_text()
+        assert all(re.search(rf"\b{cid.strip()}\b", source) for cid in ids.split(",")), f"{module} does not decide {ids}"
+
+
+def test_the_reference_library_page_names_every_module():
+    page = (REPO / "docs" / "reference-library.md").read_text()
+    missing = [p.name for p in sorted((REPO / "reference").glob("*.py")) if f"`{p.name}`" not in page]
+    assert not missing, f"docs/reference-library.md's module table lacks {missing}"
+
+
+def _imports_of(path: Path, package: str) -> set[str]:
+    """The sibling modules `path` imports, deferred imports included (`from .x import`, `from . import x`,
+    `from package.x import`); not those only a type checker reads."""
+    out = set()
+
+    def nodes(tree):     # what runs: an `if TYPE_CHECKING:` block never does
+        for node in ast.iter_child_nodes(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+                continue
+            yield node
+            yield from nodes(node)
+    for node in nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level == 1 and mod:
+                out.add(mod.split(".")[0])
+            elif node.level == 1:
+                out.update(a.name for a in node.names)
+            elif node.level == 0 and mod.startswith(package + "."):
+                out.add(mod[len(package) + 1:].split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize("package", ["conformance", "conformance/checks", "reference", "reference/bench"])
+def test_no_import_cycle_between_the_modules_of_a_package(package):
+    """Deferred imports count: a cycle is a cycle whenever it runs."""
+    modules = {p.stem: p for p in (REPO / package).glob("*.py")}
+    graph = {m: _imports_of(p, package.replace('/', '.')) & set(modules) - {m} for m, p in modules.items()}
+    cycles = []
+
+    def visit(node, path):
+        for nxt in sorted(graph[node]):
+            if nxt == path[0]:
+                cycles.append(" -> ".join(path + [nxt]))
+            elif nxt not in path and nxt > path[0]:
+                visit(nxt, path + [nxt])
+    for start in sorted(graph):
+        visit(start, [start])
+    assert not cycles, f"import cycles in {package}/: {cycles[:5]}"

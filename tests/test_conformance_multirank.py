@@ -2,7 +2,6 @@
 checks only jobs have, and a clear error for each way a multi-rank setup goes wrong."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import socket

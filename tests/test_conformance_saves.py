@@ -94,7 +94,8 @@ def test_a_thread_per_save_is_attributed_like_a_long_lived_writer():
 
 def test_a_second_writer_thread_joins_the_save_whose_directory_it_writes_into():
     lines = [log(1), log(2), log(3)] + staged_save(3, 200)
-    lines += [log(4), '201  openat(AT_FDCWD</run>, "/ck/.tmp-ckpt-3/optim", O_WRONLY|O_CREAT|O_TRUNC, 0644) = 5</ck/.tmp-ckpt-3/optim>',
+    lines += [log(4),
+              '201  openat(AT_FDCWD</run>, "/ck/.tmp-ckpt-3/optim", O_WRONLY|O_CREAT|O_TRUNC, 0644) = 5</ck/.tmp-ckpt-3/optim>',
               '201  write(5</ck/.tmp-ckpt-3/optim>, "o", 1) = 1'] + commit(3, 200) + [log(5), log(6)]
     run = build(lines, total=6)
     assert {(s, lane) for _, s, lane in saves_of(run)} == {(3, 1), (3, 2)}

@@ -173,4 +173,4 @@ def test_an_adapter_may_ask_for_a_longer_run():
     assert TrainerAdapter(name="t", argv=("x",), capabilities=frozenset({"syscall_crash", "steps=30"})).total_steps == 30
     for bad in ({"steps=3"}, {"steps=x"}, {"steps=20", "steps=30"}):
         with pytest.raises(ValueError, match="must be one 'steps=N' with N an integer >= 14"):
-            TrainerAdapter(name="t", argv=("x",), capabilities=frozenset(bad)).total_steps
+            _ = TrainerAdapter(name="t", argv=("x",), capabilities=frozenset(bad)).total_steps

@@ -141,8 +141,15 @@ def exercise(command: str, workspace: Path) -> None:
         assert proc.returncode in allowed, f"{command}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
         return
     # a soak, a benchmark, or init (whose run of the suite test_conformance_levels.py makes end to end): parse only
-    parsed = _parser_of(module).parse_args(args)
-    assert parsed is not None
+    try:
+        parsed = vars(_parser_of(module).parse_args(args))
+    except SystemExit as exc:     # argparse refuses the command: its usage error is on stderr
+        pytest.fail(f"{command}: its parser refuses it (exit {exc.code})")
+    for word in args:              # every value the command gives lands in some option
+        flag, eq, value = word.partition("=")
+        if flag.startswith("--") and eq:
+            assert any(value == str(v) or value in repr(v) for v in parsed.values()), \
+                f"{command}: {word} was not taken as given ({parsed})"
 
 
 @pytest.mark.slow

@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 import reference
 from reference.single_file import FILE_CHECKSUM_MAGIC
-from tests.strategies import (assert_same, checkpoint_files, copy_checkpoint, flip_bit, trainer_payload,
-                        truncate)
+from tests.strategies import assert_same, checkpoint_files, copy_checkpoint, flip_bit, trainer_payload, truncate
 
 SETTINGS = settings(max_examples=50, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -57,7 +57,7 @@ def _temps(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if is_temp_name(p.name)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _payload(step: int) -> dict:
     return trainer_payload(step=step)  # saving never mutates a payload: one per step will do
 
@@ -144,7 +144,7 @@ def test_every_write_fsync_and_rename_of_a_save_fails_cleanly(strace, tmp_path, 
         assert _temps(run) == [], (sid, _temps(run))
 
     # each series: the first W calls fail, the rest succeed; every file needs at least one call
-    for name, action, layout, series in ERROR_SERIES:
+    for name, _action, layout, series in ERROR_SERIES:
         w = _series_boundary(results, [f"{name}-{n}" for n in series[syscall]])
         assert w >= 1 and w < len(series[syscall]), (name, w)
         if syscall != "fsync" or name != "manager":

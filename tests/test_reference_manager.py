@@ -13,7 +13,7 @@ import reference.manager as manager_module
 from tests.strategies import FakeClock, flip_bit, trainer_payload
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _payload(step: int) -> dict:
     return trainer_payload(step=step)
 

@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.triggers import (Decision, TriggerStateError, any_of, every_seconds, every_steps, forced_only,
-                                hybrid, on_metric)
+from reference.triggers import Decision, TriggerStateError, any_of, every_seconds, every_steps, forced_only, hybrid, on_metric
 from tests.strategies import FakeClock
 
 

@@ -5,9 +5,18 @@
 | determinism.py | determinism_precondition |
 | schedules.py | resume_matches_baseline, no_lost_work, no_torn_state |
 | states.py | crash_states |
+| power.py | power_loss |
+| storage.py | io_error |
+| preemption.py | preemption |
+| ranks.py | rank_resume, all_or_nothing, reshard |
 | damage.py | corruption_detected |
 | untrusted.py | untrusted_checkpoint |
+| tiers.py | node_loss, branch_resume, demotion_safe |
 | legacy.py | schema_migration |
+
+Shared by them: session.py (one trainer's baselines and work directories), common.py (loss
+comparisons and plots), diagnosis.py (the likely cause of a resume that differs), registry.py
+(every check's id, capabilities, level and how its cases are drawn).
 """
 from .registry import BY_ID, CHECKS, Check, all_check_ids, skip_reason, split_id  # noqa: F401
 from .session import Session  # noqa: F401

@@ -11,6 +11,11 @@ from ..recording import RecordedRun
 from .session import Session
 
 
+def resumed_from(step: int) -> str:
+    """How a failure message says where a start resumed: "from scratch" or "from step k"."""
+    return "from scratch" if step == 0 else f"from step {step}"
+
+
 def plot_mismatch(session: Session, check: str, spec: RunSpec, *, schedule: Schedule | None = None,
                   extra: str = "", resumed: list[tuple[str, dict[int, float]]],
                   crashes: list[tuple[str, float]] = (), resumes: list[int] = ()) -> str:

@@ -19,7 +19,7 @@ from ..crash_states import Replayer, save_files
 from ..failures import format_mismatches, loss_mismatches, max_abs_diff
 from ..process import ProcessResult, RunSpec
 from ..recording import Op, RecordedRun
-from .common import copy_prefix, plot_mismatch
+from .common import copy_prefix, plot_mismatch, resumed_from
 from .session import Session
 from .states import STATE_WORKERS
 
@@ -170,7 +170,7 @@ def judge(session: Session, spec: RunSpec, result: ProcessResult, stop: int, pre
         return ((f"the trainer loaded a corrupted checkpoint without noticing (resumed from step {r}, exit 0) "
                  "and its loss curve diverges"), "\n  first differing steps:\n" + format_mismatches(rows))
     if r < previous and not previous_needs_it:
-        what_r = "from scratch" if r == 0 else f"from step {r}"
+        what_r = resumed_from(r)
         return ((f"after corruption the trainer resumed {what_r} instead of falling back to the newest intact "
                  f"checkpoint (step {previous})"), "")
     return None, ""

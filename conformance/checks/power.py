@@ -11,18 +11,22 @@ In each state the trainer must:
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import evidence, powerloss
-from ..crash_states import CrashState, distinct, probe_specs, same_directory_note, save_files
+from ..crash_states import (
+    CrashState,
+    distinct,
+    probe_specs,
+    same_directory_note,
+    save_files,
+)
 from ..failures import stderr_tail
 from ..process import ProcessResult, RunSpec
 from ..recording import UnreplayableTrace
+from .common import resumed_from
 from .session import Session
-from .states import MAX_STATE_FAILURES, STATE_WORKERS, resumed_past
+from .states import MAX_STATE_FAILURES, decide_states, resumed_past
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +94,7 @@ def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[i
         return "the trainer exited 0 without training: it resumed from a step later than any checkpoint on disk"
     resumed = result.first_step - 1
     if resumed < c:
-        what = "from scratch" if resumed == 0 else f"from step {resumed}"
+        what = resumed_from(resumed)
         return f"{durable}; after it the trainer resumed {what}"
     bad = [(s, loss) for s, loss in sorted(result.losses.items()) if not abs(loss - baseline.get(s, float("nan"))) <= tol]
     if bad:
@@ -131,24 +135,9 @@ def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: st
         states = [s for s in states if s.label == only]
         if not states:
             raise ValueError(f"no power-loss state {only!r}: labels are op numbers")
-    root = session.case_dir(f"power-{model}")
-
-    def check_one(state: PowerState):
-        d = Path(tempfile.mkdtemp(prefix=f"power-{state.label}-", dir=root))
-        problem, result = decide_power_state(session, spec, state, cuts[state.before], d)
-        if problem is None:
-            shutil.rmtree(d, ignore_errors=True)
-        return state, problem, result
-
     same = distinct(states)    # cuts that leave the same directory, judged alike, are decided once
-    failures = []
-    with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
-        for state, problem, result in pool.map(check_one, same):
-            if problem:
-                failures.append((state, problem, result))
-                if len(failures) >= MAX_STATE_FAILURES:
-                    pool.shutdown(cancel_futures=True)
-                    break
+    failures = decide_states(session, f"power-{model}", "power", same,
+                             lambda state, d: decide_power_state(session, spec, state, cuts[state.before], d))
     evidence.record(evidence.PowerLoss(model=model, states=len(states), failed=len(failures),
                                        failing=tuple(s.label for s, _, _ in failures), distinct=len(same)))
     if failures:
@@ -157,7 +146,8 @@ def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: st
         others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])
         raise session.fail(
             check, spec, f"after a {state.description}, {problem}",
-            details=f"  model: {model} ({'unsynced data lost' if model == 'data' else 'unsynced data and unsynced directory entries lost'})"
+            details=f"  model: {model} ("
+                    + ("unsynced data lost" if model == "data" else "unsynced data and unsynced directory entries lost") + ")"
                     f"\n  intact checkpoints in that state: {', '.join(f'step {s}' for s in state.intact) or 'none'}"
                     + f"\n  stderr:\n{stderr_tail(result.stderr)}"
                     + (f"\n  other failing states (first {MAX_STATE_FAILURES}):{others}" if others else ""),

@@ -19,6 +19,7 @@ from ..failures import format_mismatches, loss_mismatches, stderr_tail
 from ..faults import run_fault
 from ..process import RunSpec
 from ..runners import Stop
+from .common import resumed_from
 from .session import Session
 
 
@@ -49,7 +50,7 @@ def preemption(session: Session, check: str, spec: RunSpec, _param, point: Crash
         raise fail(f"after the SIGTERM the next start could not resume (exit {final.returncode})",
                    "  stderr:\n" + stderr_tail(final.stderr))
     if r < kill.newest_committed:
-        raise fail(f"after the SIGTERM the next start resumed {'from scratch' if r == 0 else f'from step {r}'}, "
+        raise fail(f"after the SIGTERM the next start resumed {resumed_from(r)}, "
                    f"older than the checkpoint of step {kill.newest_committed} committed before it")
     # A trainer that got SIGTERM during its last step and finished the run (exit 0 at total_steps)
     # has completed: no scheduler restarts it, and a final checkpoint is not required.

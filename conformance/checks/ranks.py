@@ -19,7 +19,7 @@ from ..failures import (
 )
 from ..process import RunSpec, rank_log
 from ..runners import Tracing
-from .schedules import _fail, describe_crashes, trial
+from .schedules import describe_crashes, fail_trial, trial
 from .session import Session
 
 
@@ -29,15 +29,15 @@ def rank_resume(session: Session, check: str, spec: RunSpec, _param, point: Cras
     outcome = trial(session, check, spec, (point,))
     final = outcome.final
     if final.returncode != 0:
-        raise _fail(session, check, outcome, f"after rank {point.on_rank} was killed the next job exited "
+        raise fail_trial(session, check, outcome, f"after rank {point.on_rank} was killed the next job exited "
                     f"{final.returncode}", describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(final.stderr))
     split = final.ranks_disagree()
     if split:
-        raise _fail(session, check, outcome, f"the ranks resumed from different steps: {split}",
+        raise fail_trial(session, check, outcome, f"the ranks resumed from different steps: {split}",
                     describe_crashes(outcome))
     bad = rank_mismatches(session.baseline(spec).result, final, session.tol)
     if bad:
-        raise _fail(session, check, outcome,
+        raise fail_trial(session, check, outcome,
                     f"after resuming from step {outcome.final_resumed_from}, rank(s) "
                     f"{', '.join(str(r) for r, _ in bad)} left their own uninterrupted curve (a rank's RNG or "
                     "data position not saved or not restored looks like this)",
@@ -51,19 +51,19 @@ def all_or_nothing(session: Session, check: str, spec: RunSpec, _param, point: C
     crash, final = outcome.crashed[0], outcome.final
     split = final.ranks_disagree()
     if split:
-        raise _fail(session, check, outcome, f"the ranks resumed from different checkpoints: {split}",
+        raise fail_trial(session, check, outcome, f"the ranks resumed from different checkpoints: {split}",
                     describe_crashes(outcome))
     r = crash.resumed_from
     if r < 0:
         complete = (f"the checkpoint of step {crash.kill.newest_committed} was complete on every rank"
                     if crash.kill.newest_committed else "no checkpoint was complete, so it should have started fresh")
-        raise _fail(session, check, outcome,
+        raise fail_trial(session, check, outcome,
                     f"after rank {point.on_rank} was killed inside the save of step {crash.kill.in_progress}, the "
                     f"next job could not start (exit {final.returncode}); {complete}",
                     describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(final.stderr))
     allowed = crash.kill.allowed_resumes()
     if r > 0 and r not in allowed and r > crash.kill.newest_committed:
-        raise _fail(session, check, outcome,
+        raise fail_trial(session, check, outcome,
                     f"the next job resumed from step {r}, a checkpoint not every rank had finished before rank "
                     f"{point.on_rank} was killed (complete then: step {crash.kill.newest_committed})",
                     describe_crashes(outcome))
@@ -73,7 +73,7 @@ def all_or_nothing(session: Session, check: str, spec: RunSpec, _param, point: C
                                       "from that checkpoint does: a resume problem, not a mixed checkpoint"))
         return
     if bad:
-        raise _fail(session, check, outcome,
+        raise fail_trial(session, check, outcome,
                     f"after rank {point.on_rank} was killed inside the save of step {crash.kill.in_progress}, the "
                     f"job resumed from step {r} and rank(s) {', '.join(str(k) for k, _ in bad)} left their curve: "
                     "it loaded state not every rank had committed (a mix of two steps' shards looks like this)",

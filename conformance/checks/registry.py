@@ -8,7 +8,7 @@ rendered from it, and the broken-fixture catalogue is checked against it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from hypothesis import strategies as st
 

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 from .. import evidence
 from ..crash import Schedule, format_schedule
-from ..failures import describe_ranks, format_mismatches, loss_mismatches, max_abs_diff, rank_mismatches, stderr_tail
+from ..failures import (
+    describe_ranks,
+    format_mismatches,
+    loss_mismatches,
+    max_abs_diff,
+    rank_mismatches,
+    stderr_tail,
+)
 from ..process import RunSpec
 from ..scenario import TrialOutcome, run_schedule
-from .common import plot_mismatch
+from .common import plot_mismatch, resumed_from
 from .diagnosis import diagnose
 from .session import Session
 
@@ -63,7 +70,7 @@ def trial(session: Session, check: str, spec: RunSpec, schedule: Schedule) -> Tr
     return outcome
 
 
-def _fail(session: Session, check: str, outcome: TrialOutcome, problem: str, details: str):
+def fail_trial(session: Session, check: str, outcome: TrialOutcome, problem: str, details: str):
     schedule = format_schedule(outcome.schedule)
     return session.fail(check, outcome.spec, problem, schedule=schedule, details=details,
                         case={"schedule": schedule})
@@ -74,14 +81,14 @@ def resume_matches_baseline(session: Session, check: str, spec: RunSpec, _param,
     outcome = trial(session, check, spec, schedule)
     base = session.baseline(spec)
     if outcome.final.returncode != 0:
-        raise _fail(session, check, outcome,
+        raise fail_trial(session, check, outcome,
                     f"the resumed run exited {outcome.final.returncode} after a plain kill (an in-place "
                     "or torn write looks like this from outside)",
                     describe_crashes(outcome) + "\n  stderr of the resumed run:\n" + stderr_tail(outcome.final.stderr))
     for i, (who, losses) in enumerate(outcome.all_losses()):
         rows = loss_mismatches(base.losses, losses, session.tol)
         if rows:
-            raise _fail(session, check, outcome,
+            raise fail_trial(session, check, outcome,
                         f"{who}: loss differs from the uninterrupted run at {len(rows)} step(s) "
                         f"(tolerance {session.tol:g})",
                         describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)
@@ -89,13 +96,13 @@ def resume_matches_baseline(session: Session, check: str, spec: RunSpec, _param,
                         + "\n" + _plot_trial(session, check, outcome))
     bad = rank_mismatches(base.result, outcome.final, session.tol)
     if bad:   # the global curve can hide a rank; each rank is compared with its own
-        raise _fail(session, check, outcome,
+        raise fail_trial(session, check, outcome,
                     f"rank(s) {', '.join(str(r) for r, _ in bad)} left their own uninterrupted curve after "
                     f"resuming from step {outcome.final_resumed_from}",
                     describe_crashes(outcome) + "\n" + describe_ranks(bad, outcome.spec.world_size))
     last = max([s for _, l in outcome.all_losses() for s in l] + [outcome.final_resumed_from])
     if last < spec.total_steps:
-        raise _fail(session, check, outcome, f"the resumed run stopped at step {last}, not {spec.total_steps}",
+        raise fail_trial(session, check, outcome, f"the resumed run stopped at step {last}, not {spec.total_steps}",
                     describe_crashes(outcome))
 
 
@@ -114,12 +121,12 @@ def no_lost_work(session: Session, check: str, spec: RunSpec, _where, schedule: 
         if r < 0:
             continue  # the next process never trained: judged by resume_matches_baseline / no_torn_state
         if r < newest:
-            what = "from scratch" if r == 0 else f"from step {r}"
-            raise _fail(session, check, outcome, f"after crash {i + 1} the trainer resumed {what}, but the "
+            what = resumed_from(r)
+            raise fail_trial(session, check, outcome, f"after crash {i + 1} the trainer resumed {what}, but the "
                         f"checkpoint of step {newest} was committed before the kill", describe_crashes(outcome))
         upper = max(c.kill.allowed_resumes())   # in a job, also a save the other ranks committed after the kill
         if r > upper:
-            raise _fail(session, check, outcome, f"after crash {i + 1} the trainer resumed from step {r}, later "
+            raise fail_trial(session, check, outcome, f"after crash {i + 1} the trainer resumed from step {r}, later "
                         f"than any checkpoint that could have been written before the kill (step {upper})",
                         describe_crashes(outcome))
 
@@ -134,7 +141,7 @@ def no_torn_state(session: Session, check: str, spec: RunSpec, _param, schedule:
             continue
         nxt, r = processes[i], c.resumed_from
         if r < 0 or (not nxt.losses and nxt.returncode not in (0, -9, 137)):
-            raise _fail(session, check, outcome,
+            raise fail_trial(session, check, outcome,
                         f"after a kill inside the save of step {c.kill.in_progress} the trainer could not "
                         f"resume (exit {nxt.returncode}): it found a torn checkpoint",
                         describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(nxt.stderr))
@@ -147,7 +154,7 @@ def no_torn_state(session: Session, check: str, spec: RunSpec, _param, schedule:
                                           "checkpoint, a resume_matches_baseline problem"))
             continue
         if rows:
-            raise _fail(session, check, outcome,
+            raise fail_trial(session, check, outcome,
                         f"after a kill inside the save of step {c.kill.in_progress} the trainer resumed from "
                         f"step {r} and its losses differ: it loaded incomplete state",
                         describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)

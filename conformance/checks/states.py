@@ -13,14 +13,56 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import evidence
-from ..crash_states import CrashState, build_state, crash_states, distinct, probe_specs, same_directory_note
+from ..crash_states import (
+    CrashState,
+    build_state,
+    crash_states,
+    distinct,
+    probe_specs,
+    same_directory_note,
+)
 from ..failures import stderr_tail
 from ..process import ProcessResult, RunSpec
 from ..recording import UnreplayableTrace
+from .common import resumed_from
 from .session import Session
 
 MAX_STATE_FAILURES = 5
 STATE_WORKERS = int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1)
+
+
+def decide_states(session: Session, name: str, prefix: str, states, decide) -> list:
+    """Decide each state in a fresh directory of its own (`decide(state, directory)` returns
+    (problem or None, result)), several at once: states are independent, each one short forked
+    process. Returns [(state, problem, result)] for the failing ones, at most MAX_STATE_FAILURES
+    (enough to report: the rest are skipped). Passing states' directories are removed; failing
+    ones stay for inspection, moved next to the session's other work files when the scratch
+    directory is elsewhere (a tmpfs), whatever happens meanwhile."""
+    root = session.case_dir(name)
+
+    def one(state):
+        d = Path(tempfile.mkdtemp(prefix=f"{prefix}-{state.label}-", dir=root))
+        problem, result = decide(state, d)
+        if problem is None:
+            shutil.rmtree(d, ignore_errors=True)
+        return state, problem, result
+
+    failures = []
+    try:
+        with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
+            for state, problem, result in pool.map(one, states):
+                if problem:
+                    failures.append((state, problem, result))
+                    if len(failures) >= MAX_STATE_FAILURES:
+                        pool.shutdown(cancel_futures=True)
+                        break
+    finally:
+        if session.scratch != session.workdir:
+            for d in root.iterdir():
+                shutil.move(str(d), session.workdir / d.name)
+        if not any(root.iterdir()):
+            root.rmdir()
+    return failures
 
 
 def resumed_past(result: ProcessResult) -> bool:
@@ -40,7 +82,7 @@ def judge_state(state: CrashState, result: ProcessResult, baseline: dict[int, fl
     resumed = result.first_step - 1
     if resumed not in allowed:
         want = " or ".join(f"step {s}" for s in sorted(allowed))
-        what = "from scratch" if resumed == 0 else f"from step {resumed}"
+        what = resumed_from(resumed)
         return f"the trainer resumed {what}; expected {want} (newest committed before the kill)"
     bad = [(s, loss) for s, loss in sorted(result.losses.items()) if not abs(loss - baseline.get(s, float("nan"))) <= tol]
     if bad:
@@ -82,34 +124,9 @@ def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None,
         if not states:
             raise ValueError(f"no crash state {only!r}: labels are op numbers 0..{len(run.ops) - 1}, "
                              "with a 't' suffix for a torn write")
-    state_root = session.case_dir("states")
-
-    def check_one(state: CrashState):
-        d = Path(tempfile.mkdtemp(prefix=f"state-{state.label}-", dir=state_root))
-        problem, result = decide_state(session, spec, state, d)
-        if problem is None:
-            shutil.rmtree(d, ignore_errors=True)
-        return state, problem, result
-
     same = distinct(states)    # states that leave the same directory, judged alike, are decided once
-    failures = []
-    try:
-        # States are independent: check several at once (each is one short forked process).
-        with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
-            for state, problem, result in pool.map(check_one, same):
-                if problem:
-                    failures.append((state, problem, result))
-                    if len(failures) >= MAX_STATE_FAILURES:
-                        pool.shutdown(cancel_futures=True)   # enough to report: skip the rest
-                        break
-    finally:
-        # Passing states removed their directories; failing ones stay for inspection, next to the
-        # session's other work files.
-        if session.scratch != session.workdir:
-            for d in state_root.iterdir():
-                shutil.move(str(d), session.workdir / d.name)
-        if not any(state_root.iterdir()):
-            state_root.rmdir()
+    failures = decide_states(session, "states", "state", same,
+                             lambda state, d: decide_state(session, spec, state, d))
     evidence.record(evidence.CrashStates(states=len(states), operations=len(run.mutations), failed=len(failures),
                                          failing=tuple(s.label for s, _, _ in failures), distinct=len(same)))
     if failures:

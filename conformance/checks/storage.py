@@ -19,6 +19,7 @@ from ..failures import format_mismatches, loss_mismatches, stderr_tail
 from ..faults import ERRNOS, committed_after_failed_sync, run_fault
 from ..process import RunSpec
 from ..scenario import plan
+from .common import resumed_from
 from .session import Session
 
 _NAMES = {"ENOSPC": r"No space left on device|ENOSPC|Errno 28\b|errno 28\b",
@@ -62,7 +63,7 @@ def io_error(session: Session, check: str, spec: RunSpec, param: str, point: Cra
                                             "failure" if prev else ""), "  stderr:\n" + stderr_tail(final.stderr))
     if r < prev:
         raise fail(f"after the failed save the trainer {what}; the next start resumed "
-                   f"{'from scratch' if r == 0 else f'from step {r}'}: the checkpoint of step {prev}, committed "
+                   f"{resumed_from(r)}: the checkpoint of step {prev}, committed "
                    "before the failure, was lost (deleted or overwritten after the failed save?)")
     rows = loss_mismatches(baseline.losses, final.losses, session.tol)
     if rows and not (r > 0 and session.same_as_plain_resume(spec, r, final.losses)):

@@ -36,6 +36,7 @@ from ..crash import ColdFault
 from ..failures import format_mismatches, loss_mismatches, stderr_tail
 from ..process import RunSpec, cold_log, cold_root, copy_checkpoint_dir
 from ..recording import RecordedRun
+from .common import resumed_from
 from .session import Session
 
 
@@ -89,7 +90,7 @@ def node_loss(session: Session, check: str, spec: RunSpec, _param, kill_at: int)
     if final.returncode != 0:
         raise fail(f"after the node loss the next start exited {final.returncode}", "  stderr:\n" + stderr_tail(final.stderr))
     if r < bound:
-        raise fail(f"after the node loss the next start resumed {'from scratch' if r == 0 else f'from step {r}'}; the "
+        raise fail(f"after the node loss the next start resumed {resumed_from(r)}; the "
                    f"save of step {bound} had been uploaded (a save before the newest, {saves[-1]}) and should be "
                    "in the cold tier")
     rows = loss_mismatches(baseline.losses, final.losses, session.tol)

@@ -11,16 +11,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-
 from conformance.readme import replace_section
 
-from .constants import MIN_ROUNDS, _MARKER
+from .constants import _MARKER, MIN_ROUNDS
 from .disk import fs_type
 from .memory import _memory_child
-from .run import run_benchmark
 from .output import format_markdown, format_table
-
-
+from .run import run_benchmark
 
 
 def set_priority(nice: int) -> str:

@@ -14,8 +14,6 @@ import torch
 from .constants import _READ_CHUNK
 
 
-
-
 def fs_type(path: Path) -> str:
     """Filesystem type of `path` from /proc/self/mountinfo (longest matching mount point)."""
     real = os.path.realpath(path)

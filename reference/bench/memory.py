@@ -10,15 +10,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-
 from ..sharded import save_sharded
 from ..single_file import save_file
 from ..state import capture
 from .constants import _SAMPLE_S
-from .workload import build_state, raw_write, state_bytes, torch_save
 from .disk import _remove
-
-
+from .workload import build_state, raw_write, state_bytes, torch_save
 
 
 def _rss_bytes() -> int:

@@ -3,11 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from .constants import VARIANTS
-
-
-
 
 _LABELS = {
     "raw_write": "raw write + fsync (os.write, one file)",
@@ -80,7 +76,8 @@ def chain_notes(c: dict[str, Any]) -> str:
     levels = sorted({int(k.rsplit("level", 1)[1]) for k in comp if "_level" in k})
     rates = "; ".join(f"{d} level {lv}: shuffled {comp[f'{d}_level{lv}']['shuffled']['ratio']:.3f} at "
                       f"{comp[f'{d}_level{lv}']['shuffled']['mib_per_s']:.0f} MiB/s, plain zstd "
-                      f"{comp[f'{d}_level{lv}']['plain']['ratio']:.3f} at {comp[f'{d}_level{lv}']['plain']['mib_per_s']:.0f} MiB/s"
+                      f"{comp[f'{d}_level{lv}']['plain']['ratio']:.3f} at "
+                      f"{comp[f'{d}_level{lv}']['plain']['mib_per_s']:.0f} MiB/s"
                       for d in ("bf16", "fp32") for lv in levels)
     parts = [f"Chained checkpoints: frozen backbone ({frozen['frozen_param_frac']:.0%} of the parameters frozen, "
              f"AdamW on the rest) {frozen['incremental_bytes']} of {frozen['full_bytes']} bytes; with plain SGD "
@@ -90,12 +87,13 @@ def chain_notes(c: dict[str, Any]) -> str:
              f"Sparse: {sparse['rows_touched']} of {sparse['rows']} rows touched, {sparse['incremental_bytes']} of "
              f"{sparse['full_bytes']} bytes.",
              f"Compression of trained weights (zstd, byte planes compressed where they shrink): {rates}."]
-    for key, what in (("chain_restore_vs_full", "chain of {chain_length}: {chain_restore_s:.3f} s vs full {full_restore_s:.3f} s"),
+    for key, what in (("chain_restore_vs_full",
+                       "chain of {chain_length}: {chain_restore_s:.3f} s vs full {full_restore_s:.3f} s"),
                       ("compressed_save_vs_plain", "compressed {compressed_save_s:.3f} s ({compressed_mib_per_s:.0f} MiB/s, "
                                                    "state {ratio_of_state:.3f}x smaller) vs plain {plain_save_s:.3f} s "
                                                    "({plain_mib_per_s:.0f} MiB/s)"),
-                      ("async_stall_vs_copy", "save(blocking=False) blocks {async_save_blocks_s:.3f} s vs clone {cpu_copy_s:.3f} s "
-                                              "(a sample sums {calls_per_sample} calls)"),
+                      ("async_stall_vs_copy", "save(blocking=False) blocks {async_save_blocks_s:.3f} s vs clone "
+                                              "{cpu_copy_s:.3f} s (a sample sums {calls_per_sample} calls)"),
                       ("demotion_stall_vs_copy", "a step is blocked {blocked_ms:.3f} ms by the cold tier's background "
                                                  "upload and demotion vs clone {cpu_copy_s:.3f} s ({uploaded} "
                                                  "checkpoints uploaded)")):

@@ -7,22 +7,21 @@ import os
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..sharded import load_sharded, save_sharded
 from ..single_file import save_file
 from ..state import capture
-from .constants import MEMORY_VARIANTS, READ_VARIANTS, SAVE_VARIANTS, TARGETS, TIMED_RATIOS, VARIANTS
 from .chains import run_chain_benchmark
-from .judge import RatioJudgement, judge, per_round
-from .workload import _tensor_view, build_state, raw_read, raw_scan, raw_write, state_bytes, torch_save
+from .constants import MEMORY_VARIANTS, READ_VARIANTS, SAVE_VARIANTS, TARGETS, TIMED_RATIOS, VARIANTS
 from .disk import _read_through, _remove, drop_caches, evict, fs_type, machine_info, settle
+from .judge import RatioJudgement, judge, per_round
 from .memory import measure_memory
-
-
+from .workload import _tensor_view, build_state, raw_read, raw_scan, raw_write, state_bytes, torch_save
 
 
 def run_benchmark(size_mb: float, repeats: int, directory: Path, *, memory: bool = True, chains: bool = True,
@@ -148,7 +147,7 @@ def run_benchmark(size_mb: float, repeats: int, directory: Path, *, memory: bool
         # Other processes competing for the CPUs: 1-minute load average before and after the
         # timed rounds (on 2 cores, above ~1 the CPU-heavier variants are slowed the most).
         "loadavg_1min": [round(load_before[0], 2), round(load_after[0], 2)],
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "variants": variants, "ratios": ratios, "targets": targets, "chains": chain_details,
         "peak_extra_mem": {v: {"extra_mib": round(m["extra_bytes"] / (1 << 20), 1),
                                "frac": round(m["extra_frac"], 4)} for v, m in mem.items()},

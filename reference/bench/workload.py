@@ -10,9 +10,6 @@ import torch
 
 from .constants import _READ_CHUNK
 
-
-
-
 # -- the state -------------------------------------------------------------------------------
 
 def build_state(size_mb: float, seed: int = 0) -> dict[str, torch.Tensor]:
