@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import alignment, recording, strace
 from .crash import CrashPoint
-from .process import ProcessResult, copy_checkpoint_dir, remove_checkpoint_dir
+from .process import ProcessResult
 
 
 class CrashNotLanded(AssertionError):
@@ -230,22 +230,6 @@ def deliver(planned: PlannedKill, own_view: recording.RecordedRun, attempt, chec
             SHIFTS.record(own_view, kill.syscall, kill.nth - planned.nth)
         return kill
     raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-class DirectorySnapshot:
-    """A copy of a checkpoint directory taken before a delivery that may have to be retried."""
-
-    def __init__(self, ckpt: Path):
-        self.ckpt, self.copy = ckpt, ckpt.with_name(ckpt.name + "-before")
-        remove_checkpoint_dir(self.copy)
-        copy_checkpoint_dir(ckpt, self.copy)
-
-    def restore(self) -> None:
-        remove_checkpoint_dir(self.ckpt)
-        copy_checkpoint_dir(self.copy, self.ckpt)
-
-    def drop(self) -> None:
-        remove_checkpoint_dir(self.copy)
 
 
 # Syscalls strace -P matches by the path of their fd or of their path argument; the *at calls

@@ -184,3 +184,19 @@ def read_losses(path: Path) -> dict[int, float]:
         except (ValueError, KeyError, TypeError):
             continue
     return losses
+
+
+class DirectorySnapshot:
+    """A copy of a checkpoint directory taken before a delivery that may have to be retried."""
+
+    def __init__(self, ckpt: Path):
+        self.ckpt, self.copy = ckpt, ckpt.with_name(ckpt.name + "-before")
+        remove_checkpoint_dir(self.copy)
+        copy_checkpoint_dir(ckpt, self.copy)
+
+    def restore(self) -> None:
+        remove_checkpoint_dir(self.ckpt)
+        copy_checkpoint_dir(self.copy, self.ckpt)
+
+    def drop(self) -> None:
+        remove_checkpoint_dir(self.copy)

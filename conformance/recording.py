@@ -20,71 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
-import re
 from pathlib import Path
 
 from . import strace
+from .operations import MUTATIONS, Op, Translator  # noqa: F401  (Op, MUTATIONS: the run's vocabulary, re-exported)
 from .process import ProcessResult, RunSpec, rank_log
 from .saves import attribute_saves, surely_committed_by
-
-# Operations that change the directory or a file's bytes (crash points are drawn among these).
-MUTATIONS = frozenset({"mkdir", "create", "write", "copy", "truncate", "rename", "unlink", "rmdir", "link",
-                       "symlink", "fsync"})
-_WRITE_CALLS = ("write", "pwrite64", "writev", "pwritev", "pwritev2")
-_OPEN_WRITE_FLAGS = ("O_CREAT", "O_TRUNC", "O_WRONLY", "O_RDWR", "O_APPEND")
 
 
 class UnreplayableTrace(Exception):
     """The recorded run did something the offline replayer cannot rebuild exactly (named)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Op:
-    """One recorded filesystem operation (paths relative to the checkpoint directory; absolute for
-    a file written elsewhere and later renamed in)."""
-
-    index: int
-    kind: str                  # mkdir create open write copy seek truncate rename unlink rmdir link symlink fsync
-    path: str
-    target: str = ""           # rename/link destination, symlink target; a copy's source file
-    data: bytes | None = b""   # bytes written; None if the trace cut them short
-    offset: int | None = None  # pwrite/seek/truncate offset (a copy's source offset); None: at the fd's position
-    length: int = 0            # bytes a copy moved
-    fd: int = -1
-    flags: str = ""
-    after_step: int = 0        # the last step logged before this operation (0: none yet)
-    inside: bool = True        # False: a file elsewhere, kept because it is renamed in later
-    syscall: str = ""
-    nth: int = 0
-    tid: int = 0
-    targetable: bool = False   # a KILL injected at (syscall, nth) lands here and nowhere earlier
-    killed: bool = False       # the process died inside this call
-    error: str = ""            # an errno the suite injected: the call failed and changed nothing
-    rank: int = 0              # the rank that made it (0 for a single process)
-    ts: float = 0.0            # when it was entered (seconds since the epoch; 0 if not recorded)
-    local: int = -1            # its index in its rank's own run (jobs; -1 for a single process)
-    effect: bool = True        # False: a mkdir that found the directory there (another rank made it)
-    signalled: bool = False    # the suite injected a signal (SIGTERM) at this call
-    save: int = 0              # the step of the save it belongs to (0: none; see attribute_saves)
-    lane: int = 0              # its thread within that save: 0 the logging thread, 1.. other threads
-
-    @property
-    def mutation(self) -> bool:
-        return self.inside and self.kind in MUTATIONS
-
-    def describe(self) -> str:
-        if self.kind == "write":
-            size = "?" if self.data is None else len(self.data)
-            return f"write {size} bytes to {self.path}"
-        if self.kind == "copy":
-            return f"copy {self.length} bytes from {self.target} to {self.path}"
-        if self.kind in ("rename", "link"):
-            return f"{self.kind} {self.path} -> {self.target}"
-        if self.kind == "fsync" and self.syscall == "fdatasync":
-            return f"fdatasync {self.path}"
-        return f"{self.kind} {self.path}"
 
 
 @dataclasses.dataclass
@@ -243,156 +188,11 @@ def merge(views: dict[int, RecordedRun], spec: RunSpec, result: ProcessResult, c
 def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, ckpt_dir: Path,
           loss_log: Path, *, preexisting: frozenset[str] = frozenset(), rank: int | None = None) -> RecordedRun:
     """The model of a run (or of one rank's process, with `rank`) from its parsed trace."""
-    root_s, log_s = str(ckpt_dir), str(loss_log)
-    first_to_reach: dict[tuple[str, int], int] = {}
-    reached_by: dict[tuple[str, int], set[int]] = {}
-    for sc in syscalls:
-        first_to_reach.setdefault((sc.name, sc.nth), sc.seq)
-        reached_by.setdefault((sc.name, sc.nth), set()).add(sc.tid)
-    ops: list[Op] = []
-    step_logs: dict[int, strace.Syscall] = {}
-    reads: set[str] = set()
-    unreplayable: list[str] = []
-    mapped: set[str] = set()
-    logged = 0
-    ordered_steps = iter(sorted(result.losses))
-
-    def rel(path: str | None) -> str | None:
-        """Relative to the root for paths under it; absolute for other regular paths (a file
-        written elsewhere and renamed in keeps its bytes); None for the rest."""
-        if path is None:
-            return None
-        if path == root_s:
-            return "."
-        if path.startswith(root_s + os.sep):
-            return path[len(root_s) + 1:]
-        if path.startswith("/") and path != log_s and (
-                path.startswith("/dev/shm/") or not path.startswith(("/dev/", "/proc/", "/sys/"))):
-            return path
-        return None
-
-    def add(sc: strace.Syscall, kind: str, path: str, **kw) -> None:
-        # A rename or link is inside if either end is; a copy (`target`: its source) if its path is.
-        inside = not path.startswith("/") or (kind in ("rename", "link") and not kw.get("target", "/").startswith("/"))
-        targetable = kind != "create" and first_to_reach.get((sc.name, sc.nth)) == sc.seq
-        ops.append(Op(len(ops), kind, path, after_step=logged, inside=inside, syscall=sc.name, nth=sc.nth,
-                      tid=sc.tid, targetable=targetable, killed=sc.killed, error=sc.injected_error or "",
-                      rank=rank or 0, ts=sc.ts, signalled=bool(sc.signalled), **kw))
-
-    for sc in syscalls:
-        if sc.failed and not sc.injected_error:
-            if rank is not None and sc.name in ("mkdir", "mkdirat") and (sc.ret or "").startswith("-1 EEXIST"):
-                # In a job every rank may create the same directory (DCP's writers do): which one
-                # gets EEXIST is a race, so each rank's call counts as its operation, with no effect.
-                path = rel(strace.resolve(sc.args[0], sc.args[1]) if sc.name == "mkdirat"
-                           else strace.resolve(None, sc.args[0]))
-                if path is not None and path != ".":
-                    add(sc, "mkdir", path, effect=False)
-            continue   # a failed call changes nothing (an injected failure is kept, marked, for landing)
-        call, args = sc.name, sc.args
-        if call in _WRITE_CALLS:
-            if not args:
-                continue
-            if strace.fd_path(args[0]) == log_s:
-                if (sc.signalled or sc.injected_error) and not sc.killed:
-                    # Where an injected signal or error hit (a fault meant for another call): kept
-                    # to tell how far off the count was. A signalled write still logged its step.
-                    ops.append(Op(len(ops), "log", log_s, after_step=logged, inside=False, syscall=call,
-                                  nth=sc.nth, tid=sc.tid, signalled=bool(sc.signalled),
-                                  error=sc.injected_error or "", rank=rank or 0, ts=sc.ts,
-                                  targetable=first_to_reach.get((sc.name, sc.nth)) == sc.seq))
-                if not sc.killed and not sc.injected_error:
-                    logged = _logged_step(sc, logged, ordered_steps)
-                    step_logs[logged] = sc
-                else:   # killed about to log step k: at step k - 1 (a resumed process is not at 0)
-                    ops.append(Op(len(ops), "log", log_s, after_step=max(logged, _logged_step(sc, logged, iter(())) - 1),
-                                  inside=False, syscall=call, nth=sc.nth, tid=sc.tid, killed=True, rank=rank or 0,
-                                  ts=sc.ts, targetable=first_to_reach.get((sc.name, sc.nth)) == sc.seq))
-                continue
-            path = rel(strace.fd_path(args[0]))
-            if path is None:
-                continue
-            add(sc, "write", path, data=strace.written_bytes(sc), fd=strace.fd_number(args[0]),
-                offset=int(args[3]) if call in ("pwrite64", "pwritev", "pwritev2") and len(args) > 3 else None)
-        elif call in ("sendfile", "copy_file_range", "splice"):
-            out_arg, in_arg, off_arg = ((args[0], args[1], args[2]) if call == "sendfile" else
-                                        (args[2], args[0], args[1]) if call == "copy_file_range" else
-                                        (args[2], args[0], args[1]))
-            path = rel(strace.fd_path(out_arg))
-            if path is None:
-                continue
-            source = rel(strace.fd_path(in_arg))
-            m = re.match(r"^\[(\d+)\]", off_arg.strip())
-            explicit_out = call != "sendfile" and len(args) > 3 and "NULL" not in args[3]
-            if source is None or m is None or call == "splice" or explicit_out:
-                unreplayable.append(f"{call} into {path} (its bytes come from {strace.fd_path(in_arg)}, not in the trace)")
-            add(sc, "copy", path, target=source or "", offset=int(m.group(1)) if m else None,
-                length=sc.value or 0, fd=strace.fd_number(out_arg), data=None)
-        elif call == "fallocate":
-            path = rel(strace.fd_path(args[0]))
-            if path is not None:
-                unreplayable.append(f"fallocate on {path}")
-                add(sc, "write", path, data=None, fd=strace.fd_number(args[0]))
-        elif call in ("openat", "open", "creat"):
-            dir_arg, path_arg = (args[0], args[1]) if call == "openat" else (None, args[0] if args else "")
-            path = rel(strace.resolve(dir_arg, path_arg))
-            flags = (args[2] if call == "openat" and len(args) > 2 else args[1] if call == "open" and len(args) > 1
-                     else "O_CREAT|O_TRUNC|O_WRONLY")
-            if path is None:
-                continue
-            if not any(f in flags for f in _OPEN_WRITE_FLAGS):
-                if not path.startswith("/") and not sc.killed:
-                    reads.add(path)
-                continue
-            if "O_DIRECT" in flags:
-                unreplayable.append(f"O_DIRECT writes to {path}")
-            kind = "create" if ("O_CREAT" in flags or "O_TRUNC" in flags) else "open"
-            add(sc, kind, path, fd=sc.value if sc.value is not None else -1, flags=flags)
-        elif call == "lseek":
-            path = rel(strace.fd_path(args[0]))
-            if path is not None and sc.value is not None:
-                add(sc, "seek", path, fd=strace.fd_number(args[0]), offset=sc.value)
-        elif call in ("ftruncate", "truncate"):
-            path = rel(strace.fd_path(args[0]) if call == "ftruncate" else strace.resolve(None, args[0]))
-            if path is not None:
-                add(sc, "truncate", path, fd=strace.fd_number(args[0]) if call == "ftruncate" else -1,
-                    offset=int(args[1]))
-        elif call in ("rename", "renameat", "renameat2", "link", "linkat"):
-            if call in ("rename", "link"):
-                src, dst = strace.resolve(None, args[0]), strace.resolve(None, args[1])
-            else:
-                src, dst = strace.resolve(args[0], args[1]), strace.resolve(args[2], args[3])
-            s, d = rel(src), rel(dst)
-            if s is None or d is None:
-                if (s or "/").startswith("/") and (d or "/").startswith("/"):
-                    continue   # nothing under the checkpoint directory
-                unreplayable.append(f"{call} from or to a path that is not a regular file: {src} -> {dst}")
-                continue
-            add(sc, "rename" if call.startswith("rename") else "link", s, target=d)
-        elif call in ("unlink", "unlinkat", "rmdir"):
-            path = rel(strace.resolve(args[0], args[1]) if call == "unlinkat" else strace.resolve(None, args[0]))
-            if path is not None:
-                is_dir = call == "rmdir" or (call == "unlinkat" and len(args) > 2 and "AT_REMOVEDIR" in args[2])
-                add(sc, "rmdir" if is_dir else "unlink", path)
-        elif call in ("mkdir", "mkdirat"):
-            path = rel(strace.resolve(args[0], args[1]) if call == "mkdirat" else strace.resolve(None, args[0]))
-            if path is not None and path != ".":
-                add(sc, "mkdir", path)
-        elif call in ("symlink", "symlinkat"):
-            link = rel(strace.resolve(args[1], args[2]) if call == "symlinkat" else strace.resolve(None, args[1]))
-            if link is not None:
-                add(sc, "symlink", link, target=strace.string_path(args[0]) or "")
-        elif call in ("fsync", "fdatasync"):
-            path = rel(strace.fd_path(args[0]))
-            if path is not None:
-                add(sc, "fsync", path, fd=strace.fd_number(args[0]))
-        elif call == "mmap" and len(args) > 4 and "PROT_WRITE" in args[2] and "MAP_SHARED" in args[3]:
-            path = rel(strace.fd_path(args[4]))
-            if path is not None:
-                mapped.add(path)   # matters only for a file under the root, or one renamed into it
+    t = Translator(syscalls, str(ckpt_dir), str(loss_log), result.losses, rank).run(syscalls)
+    ops, step_logs, unreplayable = t.ops, t.step_logs, t.unreplayable
     # Operations elsewhere matter only for files that end up under the root: drop the rest.
     feeding = {op.path for op in ops if op.kind in ("rename", "link") and op.inside and op.path.startswith("/")}
-    unreplayable += [f"a shared writable mmap of {p} (its writes are not syscalls)" for p in sorted(mapped)
+    unreplayable += [f"a shared writable mmap of {p} (its writes are not syscalls)" for p in sorted(t.mapped)
                      if not p.startswith("/") or p in feeding]
     kept = [op for op in ops if op.inside or op.kind == "log"
             or any(op.path == f or op.path.startswith(f + "/") for f in feeding)]
@@ -400,19 +200,5 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
     logging_tids = {sc.tid for sc in step_logs.values()}
     main_tid = min(logging_tids) if logging_tids else (syscalls[0].tid if syscalls else 0)
     kept = attribute_saves(kept, main_tid, spec.save_every)
-    run = RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(reads), preexisting,
-                      "; ".join(dict.fromkeys(unreplayable)) or None,
-                      shared_counts=frozenset(k for k, tids in reached_by.items() if len(tids) > 1))
-    return run
-
-
-def _logged_step(sc: strace.Syscall, previous: int, ordered_steps) -> int:
-    """The step a loss-log write logged: read from its JSON line, else the next logged step."""
-    try:
-        text = strace.decode_string(sc.args[1]).decode("utf-8", "replace")
-        steps = [int(json.loads(line)["step"]) for line in text.splitlines() if line.strip()]
-        if steps:
-            return max(steps)
-    except (ValueError, KeyError, TypeError, IndexError):
-        pass
-    return next(ordered_steps, previous + 1)
+    return RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(t.reads), preexisting,
+                       "; ".join(dict.fromkeys(unreplayable)) or None, shared_counts=t.shared_counts())

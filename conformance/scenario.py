@@ -22,8 +22,8 @@ from pathlib import Path
 from . import recording, saves
 from .adapters import TrainerAdapter
 from .crash import CrashPoint, Schedule
-from .delivery import CrashNotLanded, CrashPointMissing, DirectorySnapshot, PlannedKill, choose_route, deliver  # noqa: F401  (CrashNotLanded, CrashPointMissing: re-exported for the checks)
-from .process import ProcessResult, RunSpec, rank_log, remove_logs
+from .delivery import CrashNotLanded, CrashPointMissing, PlannedKill, choose_route, deliver  # noqa: F401  (re-exported for the checks)
+from .process import DirectorySnapshot, ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Tracing, traced_run
 
 

@@ -181,3 +181,53 @@ def skeleton_text(skeleton: Any) -> str:
     buf = io.BytesIO()
     torch.save(skeleton, buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+@dataclasses.dataclass
+class ChainWriter:
+    """A manager's chained saves: what the next one is (full, or a delta against the previous
+    checkpoint or the last full one) and the state that decides it, set by each save and by a
+    load (`follow`)."""
+
+    directory: Path
+    strategy: str = "full"              # full | incremental | differential
+    full_every: int = 10
+    compression: codec.Compression | None = None
+    max_workers: int | None = None
+    last: Parent | None = None          # the newest chained checkpoint saved or loaded here
+    base: Parent | None = None          # the last full one (differential deltas are taken against it)
+    last_save: SaveResult | None = None
+
+    def next_kind(self) -> tuple[str, Parent | None]:
+        """What the next chained save will be: full, or a delta and the checkpoint it is taken
+        against (the previous one, or for differential the last full one)."""
+        last = self.last
+        if self.strategy == "full" or last is None or last.since_full + 1 >= self.full_every:
+            return "full", None
+        parent = last if self.strategy == "incremental" else self.base
+        if parent is None or not (self.directory / parent.name).exists():
+            return "full", None
+        return self.strategy, parent
+
+    def save(self, payload: dict[str, Any], step: int, metric: float | None = None,
+             meta: dict[str, Any] | None = None) -> SaveResult:
+        kind, parent = self.next_kind()
+        result = save_chain(payload, self.directory, step, kind=kind, parent=parent,
+                            since_full=0 if parent is None else self.last.since_full + 1,
+                            compression=self.compression, max_workers=self.max_workers, metric=metric, meta=meta,
+                            # Rows are taken against the previous checkpoint (incremental) or the
+                            # last full one (differential); never for strategy "full".
+                            keep_rows=self.strategy == "incremental"
+                            or (self.strategy == "differential" and kind == "full"))
+        self.last = result.parent
+        if kind == "full":
+            self.base = result.parent
+        elif self.strategy == "incremental":
+            self.base = None     # never a parent again; the chain's root stays on disk
+        self.last_save = result
+        return result
+
+    def follow(self, directory: Path, last: Parent | None = None, base: Parent | None = None) -> None:
+        """Continue in `directory` from a loaded chain (`last`, `base`), or with a full checkpoint
+        next (none given: a new branch, or a checkpoint from elsewhere)."""
+        self.directory, self.last, self.base = directory, last, base

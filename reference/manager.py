@@ -107,8 +107,6 @@ class CheckpointManager:
         self.num_shards = num_shards
         self.group_by = group_by
         self.max_workers = max_workers
-        self.strategy = strategy or "full"
-        self.full_every = full_every
         self.compression = Compression(level=compression) if isinstance(compression, int) else compression
         self.trigger = trigger if trigger is not None else _cadence(every_steps, every_seconds, clock)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -125,9 +123,8 @@ class CheckpointManager:
         self.run_id: str | None = None
         self._lineage_parent: str | None = None
         # Chained layout: what the next delta is taken against (set by a save or a load).
-        self._last: chain.Parent | None = None
-        self._base: chain.Parent | None = None
-        self.last_save: chain_write.SaveResult | None = None
+        self.chain = chain_write.ChainWriter(self.directory, strategy or "full", full_every, self.compression,
+                                             max_workers)
         self.loaded_meta: dict[str, Any] = {}
         # blocking=False: one background writer, at most one save in flight.
         self._executor: ThreadPoolExecutor | None = None
@@ -235,7 +232,7 @@ class CheckpointManager:
                 save_sharded(payload, path, num_shards=self.num_shards, group_by=self.group_by,
                              max_workers=self.max_workers, record=meta)
             else:
-                self._save_chained(payload, step, metric, meta)
+                self.chain.save(payload, step, metric, meta)
         committed()
         if self.cold is not None:     # retention over both tiers runs with the uploads
             self.request_tiering()
@@ -247,32 +244,12 @@ class CheckpointManager:
         return path
 
     def next_kind(self) -> tuple[str, chain.Parent | None]:
-        """What the next chained save will be: full, or a delta and the checkpoint it is taken
-        against (the previous one, or for differential the last full one)."""
-        last = self._last
-        if self.strategy == "full" or last is None or last.since_full + 1 >= self.full_every:
-            return "full", None
-        parent = last if self.strategy == "incremental" else self._base
-        if parent is None or not (self.directory / parent.name).exists():
-            return "full", None
-        return self.strategy, parent
+        return self.chain.next_kind()
 
-    def _save_chained(self, payload: dict[str, Any], step: int, metric: float | None,
-                      meta: dict[str, Any] | None = None) -> None:
-        kind, parent = self.next_kind()
-        result = chain_write.save_chain(payload, self.directory, step, kind=kind, parent=parent,
-                                  since_full=0 if parent is None else self._last.since_full + 1,
-                                  compression=self.compression, max_workers=self.max_workers, metric=metric, meta=meta,
-                                  # Rows are taken against the previous checkpoint (incremental) or
-                                  # the last full one (differential); never for strategy "full".
-                                  keep_rows=self.strategy == "incremental"
-                                  or (self.strategy == "differential" and kind == "full"))
-        self._last = result.parent
-        if kind == "full":
-            self._base = result.parent
-        elif self.strategy == "incremental":
-            self._base = None     # never a parent again; the chain's root stays on disk
-        self.last_save = result
+    @property
+    def last_save(self) -> chain_write.SaveResult | None:
+        """The last chained save's result (what it wrote)."""
+        return self.chain.last_save
 
     # -- the cold tier ----------------------------------------------------------------------
     def request_tiering(self) -> None:
@@ -333,7 +310,7 @@ class CheckpointManager:
             made = lineage.create_branch(self.run_dir, target.id, branch)
             lineage.write_head(self.run_dir, made.name)
             self.branch, self.directory = made.name, made.directory
-            self._last = self._base = None          # the new branch starts with a full checkpoint
+            self.chain.follow(self.directory)       # the new branch starts with a full checkpoint
         self.request_tiering()                      # (after the branch exists: its point is kept)
         return payload
 
@@ -343,7 +320,7 @@ class CheckpointManager:
             opened = chain.open_chain(path, map_location)
             payload = opened.payload
             same_dir = found.directory == self.directory
-            self._last, self._base = (opened.last, opened.base) if same_dir else (None, None)
+            self.chain.follow(self.directory, *((opened.last, opened.base) if same_dir else ()))
         else:
             payload = load(path, map_location)
         extra = payload.get("extra") if isinstance(payload.get("extra"), dict) else {}
