@@ -146,3 +146,14 @@ def test_no_import_cycle_between_the_modules_of_a_package(package):
     for start in sorted(graph):
         visit(start, [start])
     assert not cycles, f"import cycles in {package}/: {cycles[:5]}"
+
+
+def test_the_design_page_names_every_module_in_its_layer():
+    """docs/design.md's table and LAYERS (what this file enforces) say the same thing."""
+    import re
+    rows = re.findall(r"^\| (\d) \| ([^|]+) \|", (REPO / "docs" / "design.md").read_text(), re.MULTILINE)
+    documented = {name.removesuffix(".py"): int(layer) for layer, cell in rows
+                  for name in re.findall(r"`([\w./*]+)`", cell) if "/" not in name}
+    assert documented == {m: LAYER_OF[m] for m in documented} and set(documented) == set(LAYER_OF) - {"checks"}, (
+        sorted(set(LAYER_OF) - {"checks"} - set(documented)), {m: (l, LAYER_OF.get(m)) for m, l in documented.items()
+                                                               if LAYER_OF.get(m) != l})

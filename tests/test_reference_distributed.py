@@ -1,10 +1,15 @@
 """reference.distributed in one process (no process group: DCP saves and loads as one rank):
 the commit protocol, async saves that count only once finished, verification with fallback and
-retention. Its multi-rank behaviour is judged by the suite (fixtures/ddp_trainer.py and
+retention; and one real 2-rank job under torchrun that skips a damaged checkpoint on every rank.
+Its multi-rank behaviour is judged by the suite (fixtures/ddp_trainer.py and
 fixtures/ddp_async_trainer.py in tests/test_conformance_gate.py)."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ import torch
 from reference import CheckpointSkippedWarning
 from reference.distributed import MANIFEST, DistributedCheckpointManager, committed_steps
 
+REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
@@ -86,3 +92,26 @@ def test_a_checkpoint_without_its_manifest_is_never_loaded(tmp_path):
     (tmp_path / "step-00000003" / MANIFEST).unlink()
     with pytest.warns(CheckpointSkippedWarning, match="no manifest.json: never committed"):
         assert DistributedCheckpointManager(tmp_path).load_latest(*_model(1)) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_reference_distributed_skips_a_damaged_checkpoint_on_every_rank(tmp_path):
+    def job(total: int) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                   CONFORMANCE_CKPT_DIR=str(tmp_path / "ckpt"), CONFORMANCE_TOTAL_STEPS=str(total),
+                   CONFORMANCE_SAVE_EVERY="3", CONFORMANCE_SEED="0", CONFORMANCE_LOSS_LOG=str(tmp_path / "loss"),
+                   OMP_NUM_THREADS="1")
+        return subprocess.run(["torchrun", "--standalone", "--nproc-per-node=2", "-m", "fixtures.ddp_trainer"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    first = job(10)
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = tmp_path / "ckpt" / "step-00000009"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000006", "step-00000009"]
+    damaged = bytearray((newest / "__1_0.distcp").read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (newest / "__1_0.distcp").write_bytes(bytes(damaged))
+    again = job(12)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "rank 0: resumed from step 6" in again.stderr and "rank 1: resumed from step 6" in again.stderr
+    assert "__1_0.distcp: size/sha256" in again.stderr   # the rank that found it says which file
