@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
-from . import chain
+from . import chain, names
 from .atomic import fsync_dir, is_temp_name
 from .errors import CheckpointError
 from .index import INDEX_NAME, read_index
 from .sharded import check_sizes, load_sharded, verify_sharded
 from .single_file import load_file
-
-_NAME_RE = re.compile(r"^step-(?P<step>[0-9]+)(?P<ext>\.pt|\.chain\.json)?$")
 
 
 class CheckpointSkippedWarning(UserWarning):
@@ -36,9 +33,7 @@ class CheckpointInfo:
 
     @property
     def layout(self) -> str:
-        if self.path.name.endswith(chain.SUFFIX):
-            return "chain"
-        return "file" if self.path.suffix == ".pt" else "sharded"
+        return names.layout_of(self.path.name)
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
@@ -48,13 +43,12 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
         return []
     found = []
     for entry in os.scandir(directory):
-        m = _NAME_RE.match(entry.name)
-        if m is None or is_temp_name(entry.name):
+        parsed = names.parse(entry.name)
+        if parsed is None or is_temp_name(entry.name):
             continue
-        is_dir = entry.is_dir(follow_symlinks=False)
-        if (m.group("ext") is None) != is_dir:
+        if (parsed[1] == "sharded") != entry.is_dir(follow_symlinks=False):
             continue
-        found.append(CheckpointInfo(int(m.group("step")), Path(entry.path)))
+        found.append(CheckpointInfo(parsed[0], Path(entry.path)))
     return sorted(found, key=lambda c: (c.step, c.path.name))
 
 
@@ -63,7 +57,7 @@ def verify(info_or_path: CheckpointInfo | str | os.PathLike) -> None:
     path = info_or_path.path if isinstance(info_or_path, CheckpointInfo) else Path(info_or_path)
     if path.is_dir():
         verify_sharded(path)
-    elif path.name.endswith(chain.SUFFIX):
+    elif names.layout_of(path.name) == "chain":
         chain.load_chain(path, map_location="cpu", migrate_schema=False)
     else:
         load_file(path, map_location="cpu")
@@ -74,7 +68,7 @@ def load(path: str | os.PathLike, map_location=None) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         return load_sharded(path, map_location)
-    if path.name.endswith(chain.SUFFIX):
+    if names.layout_of(path.name) == "chain":
         return chain.load_chain(path, map_location)
     return load_file(path, map_location)
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import codec
+from . import codec, names
 from .atomic import is_live_temp
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, InvalidIndexError
 from .integrity import tensor_bytes
@@ -43,11 +43,10 @@ from .schema import check_supported, migrate
 from .tree import join_tensors
 
 FORMAT = "reference.chain/1"
-SUFFIX = ".chain.json"
+SUFFIX = names.CHAIN_SUFFIX
 PIECES = "pieces"
 STRATEGIES = ("full", "incremental", "differential")
 CHECKSUM_KEY = "manifest_sha256"
-_NAME_RE = re.compile(r"^step-[0-9]+\.chain\.json$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # A 2-D-or-more tensor with at least this many rows may be saved as its changed rows.
 ROW_DELTA_MIN_ROWS = 16
@@ -76,7 +75,12 @@ def pieces_dir(directory: Path) -> Path:
 
 
 def manifest_name(step: int) -> str:
-    return f"step-{step:08d}{SUFFIX}"
+    return names.step_name(step, "chain")
+
+
+def _is_manifest_name(name: str) -> bool:
+    parsed = names.parse(name)
+    return parsed is not None and parsed[1] == "chain"
 
 
 # -- manifests ----------------------------------------------------------------------------------
@@ -97,7 +101,7 @@ def _check_piece_ref(ref: Any, path: Path, where: str) -> None:
 
 def check_parent_name(name: Any, path: Path) -> str:
     """A parent is another manifest in the same directory, named by its file name only."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _is_manifest_name(name):
         raise _bad(path, f"parent {name!r} is not a manifest in this checkpoint directory "
                          "(a parent is named by a file name step-N.chain.json, no path)")
     return name
@@ -355,7 +359,8 @@ def changed_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 def manifests(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
-    return sorted(Path(e.path) for e in os.scandir(directory) if _NAME_RE.match(e.name) and e.is_file())
+    found = [Path(e.path) for e in os.scandir(directory) if _is_manifest_name(e.name) and e.is_file()]
+    return sorted(found, key=lambda p: (names.step_of(p.name), p.name))   # by step number, never by string
 
 
 def orphans(directory: Path) -> tuple[list[Path], int]:

@@ -32,7 +32,6 @@ import datetime
 import io
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -43,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from . import names
 from .atomic import atomic_write_bytes, fsync_dir
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError, write_error
 from .integrity import sha256_file
@@ -51,8 +51,6 @@ from .rng import capture_rng, restore_rng
 
 MANIFEST = "manifest.json"
 FORMAT = "reference.distributed/1"
-_COMMITTED_RE = re.compile(r"^step-(?P<step>[0-9]+)$")
-_STAGING_RE = re.compile(r"^\.staging-step-(?P<step>[0-9]+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +129,8 @@ def committed_steps(directory: Path) -> list[tuple[int, Path]]:
     """Committed-looking checkpoints (`step-N` directories), newest first, by step number."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group("step")), Path(e.path)) for e in os.scandir(directory)
-             if (m := _COMMITTED_RE.match(e.name)) and e.is_dir(follow_symlinks=False)]
+    found = [(parsed[0], Path(e.path)) for e in os.scandir(directory)
+             if (parsed := names.parse(e.name)) and parsed[1] == "sharded" and e.is_dir(follow_symlinks=False)]
     return sorted(found, reverse=True)
 
 
@@ -201,7 +199,7 @@ class DistributedCheckpointManager:
 
     # -- save -------------------------------------------------------------------------------
     def path_for(self, step: int) -> Path:
-        return self.directory / f"step-{step:08d}"
+        return self.directory / names.step_name(step)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
              shared: dict[str, Any] | None = None, rank_state: dict[str, Any] | None = None) -> Path:
@@ -211,7 +209,7 @@ class DistributedCheckpointManager:
         return, or with `async_save` once `wait()` returns."""
         self.wait()
         final = self.path_for(step)
-        staging = self.directory / f".staging-step-{step:08d}"
+        staging = self.directory / names.staging_name(step)
         self._prepare(staging)
         if self.async_save:
             self.pending = self._start_async(step, staging, final, model, optimizer, shared, rank_state)
@@ -271,8 +269,8 @@ class DistributedCheckpointManager:
         """Rank 0: remove staging directories (of steps before `older_than`, or all)."""
         removed = []
         for entry in os.scandir(self.directory):
-            m = _STAGING_RE.match(entry.name)
-            if m and (older_than is None or int(m.group("step")) < older_than):
+            step = names.staging_step(entry.name)
+            if step is not None and (older_than is None or step < older_than):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(Path(entry.path))
         return removed

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import chain, chain_write, lineage, tiering, tree, triggers
+from . import chain, chain_write, lineage, names, tiering, tree, triggers
 from .atomic import fsync_dir, remove_stale_temps
 from .catalog import (
     CheckpointInfo,
@@ -142,10 +142,7 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        if self.layout == "chain":
-            return self.directory / chain.manifest_name(step)
-        name = f"step-{step:08d}" + (".pt" if self.layout == "file" else "")
-        return self.directory / name
+        return self.directory / names.step_name(step, self.layout)
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, payload: dict[str, Any], *, step: int | None = None, metric: float | None = None,

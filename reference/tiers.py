@@ -15,13 +15,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from . import chain
+from . import chain, names
 from .atomic import fsync_dir, temp_name_for
 from .coldfs import ColdStorageError, check_reachable, open_cold
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, InvalidIndexError
@@ -59,11 +58,6 @@ class ColdTierError(CorruptCheckpointError):
     """A cold copy disagrees with the hot one or with its marker (size, sha256, missing object)."""
 
 
-def step_of(name: str) -> int:
-    m = re.match(r"^step-([0-9]+)", name)
-    if m is None:
-        raise ValueError(f"not a step-named checkpoint: {name!r}")
-    return int(m.group(1))
 
 
 def checkpoint_files(path: Path) -> list[str]:
@@ -198,7 +192,7 @@ class ColdTier:
         """Copy the committed hot checkpoint `path`, verify the copy, then write its marker.
         `verified` holds files some cold marker already lists (a chain's shared pieces): they
         are not uploaded again if the store has them at that size."""
-        step = step_of(path.name)
+        step = names.step_of(path.name)
         files: list[ColdFile] = []
         for rel in checkpoint_files(path):
             local = hot_dir / rel

@@ -258,3 +258,28 @@ def test_crash_during_save_with_keep_last_1(tmp_path, monkeypatch):
     assert manager.load_latest()["counters"]["global_step"] == 1
     # a failed (not killed) save cleans up after itself: nothing at step-00000002
     assert _steps(tmp_path) == [1]
+
+
+def test_one_module_formats_and_parses_checkpoint_names():
+    from reference import names
+    for layout in ("sharded", "file", "chain"):
+        for step in (0, 7, 12, 10**9):
+            assert names.parse(names.step_name(step, layout)) == (step, layout)
+            assert names.step_of(names.step_name(step, layout)) == step
+            assert names.layout_of(names.step_name(step, layout)) == layout
+    assert names.staging_step(names.staging_name(42)) == 42 and names.staging_step("step-00000042") is None
+    for other in ("step-", "step-12.tmp", "Step-12", "step-12.pt.tmp-1-ab", ".step-12", "step-1e3", "step-١٢"):
+        assert names.parse(other) is None, other
+    with pytest.raises(ValueError, match="not a step-named checkpoint"):
+        names.step_of("latest")
+
+
+def test_checkpoints_are_ordered_by_step_number_not_by_name(tmp_path):
+    """A step past eight digits names a longer string that sorts before shorter ones."""
+    from reference import chain, names
+    from reference.catalog import list_checkpoints
+    for step in (99_999_999, 100_000_000, 5):
+        (tmp_path / names.step_name(step, "file")).write_bytes(b"x")
+        (tmp_path / names.step_name(step, "chain")).write_bytes(b"{}")
+    assert [i.step for i in list_checkpoints(tmp_path) if i.layout == "file"] == [5, 99_999_999, 100_000_000]
+    assert [names.step_of(p.name) for p in chain.manifests(tmp_path)] == [5, 99_999_999, 100_000_000]
