@@ -47,6 +47,7 @@ from .atomic import atomic_write_bytes, fsync_dir
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError, write_error
 from .integrity import sha256_file
 from .manager import CheckpointSkippedWarning
+from .retention import Candidate, keep_set
 from .rng import capture_rng, restore_rng
 
 MANIFEST = "manifest.json"
@@ -112,9 +113,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_files(directory: Path, manifest: dict[str, Any], names: list[str]) -> None:
+def verify_files(directory: Path, manifest: dict[str, Any], files: list[str]) -> None:
     """Size and sha256 of each named file against the manifest."""
-    for name in names:
+    for name in files:
         size, digest = manifest["files"][name]
         try:
             actual = sha256_file(directory / name)
@@ -327,19 +328,20 @@ class DistributedCheckpointManager:
         shutil.rmtree(path, ignore_errors=True)
 
     def apply_retention(self, *, just_saved: Path) -> list[Path]:
-        """Rank 0, after the commit barrier: keep the newest keep_last committed checkpoints (and
-        always `just_saved`); remove older ones and staging directories older than it."""
+        """Rank 0, after the commit barrier: keep what retention's one rule keeps (the newest
+        keep_last committed checkpoints, and always `just_saved`); remove the other committed
+        ones, and staging directories older than it."""
         removed: list[Path] = []
         if self.keep_last is None:
             return removed
-        kept = 0
-        for _step, path in committed_steps(self.directory):
-            if path == just_saved or kept < self.keep_last:
-                kept += 1
-                continue
-            self._remove(path)
-            removed.append(path)
-        removed += self._remove_staging(older_than=int(just_saved.name.split("-")[1]))
+        found = committed_steps(self.directory)
+        keep = keep_set([Candidate(path.name, step) for step, path in found], keep_last=self.keep_last,
+                        keep_best=None, anchor=just_saved.name)
+        for _step, path in found:
+            if path.name not in keep:
+                self._remove(path)
+                removed.append(path)
+        removed += self._remove_staging(older_than=names.step_of(just_saved.name))
         if removed:
             fsync_dir(self.directory)
         return removed
@@ -351,8 +353,8 @@ class DistributedCheckpointManager:
         manifest = None
         try:
             manifest = read_manifest(path)
-            names = sorted(manifest["files"])
-            verify_files(path, manifest, names[self.rank::self.world_size])
+            files = sorted(manifest["files"])
+            verify_files(path, manifest, files[self.rank::self.world_size])
             if manifest["files"].keys() < {".metadata", "shared.pt"}:
                 raise IncompleteCheckpointError(path, "the manifest lists no .metadata or shared.pt")
         except CheckpointError as exc:
