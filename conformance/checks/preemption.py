@@ -13,10 +13,12 @@ then a fresh start.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .. import evidence
 from ..crash import CrashPoint
 from ..failures import format_mismatches, loss_mismatches, stderr_tail
-from ..faults import run_fault
+from ..faults import FaultOutcome, run_fault
 from ..process import RunSpec
 from ..runners import Stop
 from .common import resumed_from
@@ -28,38 +30,47 @@ def preemption(session: Session, check: str, spec: RunSpec, _param, point: Crash
     outcome = run_fault(session.runner, session.adapter, spec, point, "signal=TERM", session.case_dir("preempt"),
                         baseline, stop=Stop(grace_s=session.grace_s), stable=session.stable_paths(spec))
     kill, first, final = outcome.planned, outcome.first, outcome.final
-    last = max(first.losses, default=0)
     where = (f"SIGTERM at {kill.text}" + (f", inside the save of step {kill.in_progress}" if kill.in_progress else "")
              + f"; newest committed checkpoint then: step {kill.newest_committed}")
     evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault="SIGTERM",
                                    first_exit=first.returncode, went_on=bool(first.stopped),
                                    resumed_from=outcome.resumed_from, final_exit=final.returncode))
+    found = judge(outcome, baseline.losses, session.tol, saves_on_term=session.adapter.has("preemption_save"),
+                  grace_s=session.grace_s, same_as_plain=lambda r, losses: session.same_as_plain_resume(spec, r, losses))
+    if found is not None:
+        problem, details = found
+        raise session.fail(check, spec, problem, details=f"  fault: {where}\n" + details, case={"point": str(point)})
 
-    def fail(problem: str, details: str = ""):
-        return session.fail(check, spec, problem, details=f"  fault: {where}\n" + details, case={"point": str(point)})
 
+def judge(outcome: FaultOutcome, baseline: dict[int, float], tol: float, *, saves_on_term: bool, grace_s: float,
+          same_as_plain: Callable[[int, dict[int, float]], bool]) -> tuple[str, str] | None:
+    """(problem, details) if the SIGTERMed process or the next start did wrong, else None; a pure
+    function of the runs (`same_as_plain(r, losses)`: whether a plain resume from step r gives
+    those losses)."""
+    kill, first, final, spec = outcome.planned, outcome.first, outcome.final, outcome.spec
+    last = max(first.losses, default=0)
     if first.returncode == 0 and last < spec.total_steps:
-        raise fail(f"on SIGTERM the trainer exited 0 at step {last} of {spec.total_steps}: a scheduler (Kubernetes "
-                   "marks the Job Completed) would never restart it; exit non-zero (128+15) instead")
-    saves_on_term = session.adapter.has("preemption_save")
+        return (f"on SIGTERM the trainer exited 0 at step {last} of {spec.total_steps}: a scheduler (Kubernetes "
+                "marks the Job Completed) would never restart it; exit non-zero (128+15) instead"), ""
     if saves_on_term and first.stopped:
-        raise fail(f"the trainer declares 'preemption_save' but was still running {session.grace_s:g} s after SIGTERM "
-                   "(SIGKILLed at the end of the grace period)", "  stderr:\n" + stderr_tail(first.stderr))
+        return (f"the trainer declares 'preemption_save' but was still running {grace_s:g} s after SIGTERM "
+                "(SIGKILLed at the end of the grace period)"), "  stderr:\n" + stderr_tail(first.stderr)
     r = outcome.resumed_from
     if final.returncode != 0:
-        raise fail(f"after the SIGTERM the next start could not resume (exit {final.returncode})",
-                   "  stderr:\n" + stderr_tail(final.stderr))
+        return (f"after the SIGTERM the next start could not resume (exit {final.returncode})",
+                "  stderr:\n" + stderr_tail(final.stderr))
     if r < kill.newest_committed:
-        raise fail(f"after the SIGTERM the next start resumed {resumed_from(r)}, "
-                   f"older than the checkpoint of step {kill.newest_committed} committed before it")
+        return (f"after the SIGTERM the next start resumed {resumed_from(r)}, "
+                f"older than the checkpoint of step {kill.newest_committed} committed before it"), ""
     # A trainer that got SIGTERM during its last step and finished the run (exit 0 at total_steps)
     # has completed: no scheduler restarts it, and a final checkpoint is not required.
     completed = first.returncode == 0 and last >= spec.total_steps
     if saves_on_term and r != last and not completed:
-        raise fail(f"the trainer declares 'preemption_save': it had logged step {last} when it exited, but the next "
-                   f"start resumed from step {r}" + (" (a second save started inside the first, or left it torn?)"
-                                                     if kill.in_progress else ""))
-    rows = loss_mismatches(baseline.losses, final.losses, session.tol)
-    if rows and not (r > 0 and session.same_as_plain_resume(spec, r, final.losses)):
-        raise fail(f"after the SIGTERM the next start resumed from step {r} and diverges: it loaded incomplete state",
-                   "  first differing steps:\n" + format_mismatches(rows))
+        return (f"the trainer declares 'preemption_save': it had logged step {last} when it exited, but the next "
+                f"start resumed from step {r}" + (" (a second save started inside the first, or left it torn?)"
+                                                  if kill.in_progress else "")), ""
+    rows = loss_mismatches(baseline, final.losses, tol)
+    if rows and not (r > 0 and same_as_plain(r, final.losses)):
+        return (f"after the SIGTERM the next start resumed from step {r} and diverges: it loaded incomplete state",
+                "  first differing steps:\n" + format_mismatches(rows))
+    return None

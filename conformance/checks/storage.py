@@ -12,11 +12,12 @@ network storage returning EIO), then the trainer starts again on what it left.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from .. import evidence
 from ..crash import CrashPoint
 from ..failures import format_mismatches, loss_mismatches, stderr_tail
-from ..faults import ERRNOS, committed_after_failed_sync, run_fault
+from ..faults import ERRNOS, FaultOutcome, committed_after_failed_sync, run_fault
 from ..process import RunSpec
 from ..scenario import plan
 from .common import resumed_from
@@ -34,45 +35,60 @@ def io_error(session: Session, check: str, spec: RunSpec, param: str, point: Cra
     outcome = run_fault(session.runner, session.adapter, spec, point, f"error={errno}", session.case_dir(f"io-{param}"),
                         baseline, went_on_until=save + 1, stable=session.stable_paths(spec))
     kill, first, final = outcome.planned, outcome.first, outcome.final
-    s, prev = kill.in_progress, kill.newest_committed
-    where = f"{errno} injected into {kill.text}, inside the save of step {s}"
-    went_on = first.returncode == 0 and max(first.losses, default=0) >= spec.total_steps
+    where = f"{errno} injected into {kill.text}, inside the save of step {kill.in_progress}"
     evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault=errno,
-                                   first_exit=first.returncode, went_on=went_on, resumed_from=outcome.resumed_from,
+                                   first_exit=first.returncode, went_on=went_on(outcome), resumed_from=outcome.resumed_from,
                                    final_exit=final.returncode))
+    found = judge(outcome, errno, baseline.losses, session.tol, committed_after_failed_sync(outcome.first_run),
+                  same_as_plain=lambda r, losses: session.same_as_plain_resume(spec, r, losses))
+    if found is not None:
+        problem, details = found
+        raise session.fail(check, spec, problem, details=f"  fault: {where}\n" + details, case={"point": str(point)})
 
-    def fail(problem: str, details: str = ""):
-        return session.fail(check, spec, problem, details=f"  fault: {where}\n" + details, case={"point": str(point)})
 
-    if not went_on:
+def went_on(outcome: FaultOutcome) -> bool:
+    """Whether the faulted process trained on to the end (the failed save left behind)."""
+    return outcome.first.returncode == 0 and max(outcome.first.losses, default=0) >= outcome.spec.total_steps
+
+
+def judge(outcome: FaultOutcome, errno: str, baseline: dict[int, float], tol: float, synced_badly: str | None, *,
+          same_as_plain: Callable[[int, dict[int, float]], bool]) -> tuple[str, str] | None:
+    """(problem, details) if the faulted process or the next start did wrong, else None; a pure
+    function of the runs. `synced_badly`: a file committed after its fsync failed, if the faulted
+    run did that (committed_after_failed_sync); `same_as_plain(r, losses)`: whether a plain resume
+    from step r gives those losses."""
+    kill, first, final = outcome.planned, outcome.first, outcome.final
+    s, prev = kill.in_progress, kill.newest_committed
+    on = went_on(outcome)
+    if not on:
         if first.returncode == 0:
-            raise fail(f"after {errno} the trainer exited 0 at step {max(first.losses, default=0)} of "
-                       f"{spec.total_steps}: a failed save reported as success")
-        if first.returncode != 0 and not re.search(_NAMES[errno], first.stderr):
-            raise fail(f"after {errno} the trainer exited {first.returncode} without naming the error on stderr",
-                       "  stderr:\n" + stderr_tail(first.stderr))
-    sync = committed_after_failed_sync(outcome.first_run)
-    if sync:
-        raise fail(f"the trainer committed a file whose fsync failed: {sync}; after a failed fsync the kernel may "
-                   "have dropped the data (fsyncgate), so the save must be abandoned or written anew")
-    what = "went on training" if went_on else f"exited {first.returncode}"
+            return (f"after {errno} the trainer exited 0 at step {max(first.losses, default=0)} of "
+                    f"{outcome.spec.total_steps}: a failed save reported as success"), ""
+        if not re.search(_NAMES[errno], first.stderr):
+            return (f"after {errno} the trainer exited {first.returncode} without naming the error on stderr",
+                    "  stderr:\n" + stderr_tail(first.stderr))
+    if synced_badly:
+        return (f"the trainer committed a file whose fsync failed: {synced_badly}; after a failed fsync the kernel may "
+                "have dropped the data (fsyncgate), so the save must be abandoned or written anew"), ""
+    what = "went on training" if on else f"exited {first.returncode}"
     r = outcome.resumed_from
     if final.returncode != 0:
-        raise fail(f"after the failed save the trainer {what}; the next start could not resume (exit "
-                   f"{final.returncode})" + (f" although the checkpoint of step {prev} had been committed before the "
-                                            "failure" if prev else ""), "  stderr:\n" + stderr_tail(final.stderr))
+        return (f"after the failed save the trainer {what}; the next start could not resume (exit "
+                f"{final.returncode})" + (f" although the checkpoint of step {prev} had been committed before the "
+                                         "failure" if prev else ""), "  stderr:\n" + stderr_tail(final.stderr))
     if r < prev:
-        raise fail(f"after the failed save the trainer {what}; the next start resumed "
-                   f"{resumed_from(r)}: the checkpoint of step {prev}, committed "
-                   "before the failure, was lost (deleted or overwritten after the failed save?)")
-    rows = loss_mismatches(baseline.losses, final.losses, session.tol)
-    if rows and not (r > 0 and session.same_as_plain_resume(spec, r, final.losses)):
-        raise fail(f"after the failed save the trainer {what}; the next start resumed from step {r} and diverges: "
-                   + ("it loaded the failed save" if r == s else "it loaded damaged state"),
-                   "  first differing steps:\n" + format_mismatches(rows))
+        return (f"after the failed save the trainer {what}; the next start resumed "
+                f"{resumed_from(r)}: the checkpoint of step {prev}, committed "
+                "before the failure, was lost (deleted or overwritten after the failed save?)"), ""
+    rows = loss_mismatches(baseline, final.losses, tol)
+    if rows and not (r > 0 and same_as_plain(r, final.losses)):
+        return (f"after the failed save the trainer {what}; the next start resumed from step {r} and diverges: "
+                + ("it loaded the failed save" if r == s else "it loaded damaged state"),
+                "  first differing steps:\n" + format_mismatches(rows))
+    return None
 
 
 def point_save(baseline, point: CrashPoint) -> int | None:
-    """The save an `fs:i` point falls in."""
+    """The save an operation's point (`save:s/i`, `fs:i`) falls in."""
     kill = plan(point, baseline)
     return kill.in_progress if kill else None
