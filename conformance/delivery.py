@@ -108,12 +108,6 @@ def check_landed_on_log(kill: PlannedKill, landed: recording.RecordedRun) -> Non
                                 f"it hit {hit.describe()} after step {hit.after_step} was logged"))
 
 
-def log_write_count(view: recording.RecordedRun, step: int) -> int:
-    """How many writes to its loss log a rank makes up to the one that logs `step` (the count a
-    delivery by path names)."""
-    return sum(1 for sc in view.step_logs.values() if sc.seq <= view.step_logs[step].seq)
-
-
 def count_shift(kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun) -> int | None:
     """How many more calls of the kill's syscall a rank made in `landed` than in its planned run
     before the point, measured as near the point as the landed run allows; None if that cannot
@@ -369,7 +363,7 @@ def choose_route(kill: PlannedKill, view: recording.RecordedRun, stable: frozens
     on its loss log, unless the faulted run must be recorded whole (`whole_recording`); an `fs`
     point at its operation (`job`: a job, or a process whose calls come from several threads)."""
     if kill.point.at_step and not whole_recording:
-        return OnLog(str(rank_log), log_write_count(view, kill.point.index + 1))
+        return OnLog(str(rank_log), view.log_writes_until(kill.point.index + 1))
     return AtOperation(kill, view, stable, ckpt, job=job)
 
 
@@ -384,6 +378,16 @@ def check_fault_landed(kill: PlannedKill, planned: recording.RecordedRun, landed
             raise CrashNotLanded(f"fault at {kill.point} did not land at {kill.text}: "
                                  + lined_up.divergence.describe("planned run", "faulted run"))
         return
+    hit_at = landed.failed_op() if error else landed.signalled_op()
+    if hit_at is not None:
+        before = sum(1 for i in landed.mutations if i < hit_at.index)
+        if not (hit_at.mutation and before == k) and alignment.align(planned, landed, upto=min(before, k)).divergence is None:
+            # The same operations up to where the fault hit, and it hit another call (a loss-log
+            # write, another write of the save): the count was off, not the trainer. What the
+            # trainer did after that fault differs from the plan because of it.
+            raise KillMissedCount(f"fault at {kill.point} (planned: {kill.text}) hit "
+                                  + ("its loss log" if hit_at.kind == "log" else f"{landed.role(hit_at.index)}: "
+                                     f"{hit_at.describe()}") + " instead, after the same operations")
     if k >= len(landed.mutations):
         raise KillMissedCount(f"fault at {kill.point} (planned: {kill.text}) was not delivered: the faulted process "
                               f"made only {len(landed.mutations)} operations")

@@ -143,6 +143,11 @@ class RecordedRun:
         """The newest save all of whose operations (every rank's) were entered before time `ts`."""
         return max((s for s, idxs in self.windows().items() if s and self.ops[idxs[-1]].ts < ts), default=0)
 
+    def log_writes_until(self, step: int) -> int:
+        """How many writes to its loss log the process (a rank) makes up to the one that logs
+        `step`: the count a delivery on the loss log names."""
+        return sum(1 for sc in self.step_logs.values() if sc.seq <= self.step_logs[step].seq)
+
     def killed_op(self) -> Op | None:
         return next((op for op in self.ops if op.killed), None)
 

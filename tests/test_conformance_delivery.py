@@ -104,11 +104,35 @@ def test_an_error_by_count_is_proven_at_the_planned_operation():
     failed = recorded([log(1), log(2)] + save(2) + [log(3), log(4)] + save(4, fail="EIO"))
     check_fault_landed(kill, planned, failed, error=True)
     wrong = recorded([log(1), log(2)] + save(2, fail="EIO") + [log(3), log(4)] + save(4))
-    with pytest.raises(KillMissedCount, match="did not fail"):
+    with pytest.raises(KillMissedCount, match="hit fsync #3 of the save of step 2: fsync .ckpt-2.tmp instead"):
         check_fault_landed(kill, planned, wrong, error=True)
     short = recorded([log(1), log(2)] + save(2)[:2], steps=2)
     with pytest.raises(KillMissedCount, match="made only"):
         check_fault_landed(kill, planned, short, error=True)
+
+
+def test_an_error_that_hit_another_call_is_a_miss_whatever_the_trainer_did_after_it():
+    """A job's write counts drift: an error meant for a save's write may hit the loss log, or an
+    earlier write, after which a correct trainer abandons that save. The same operations up to
+    the hit make it a miss (retried, then another point), not a difference in the trainer."""
+    planned = recorded(UNINTERRUPTED)
+    from conformance.scenario import plan
+    kill = plan(fsync_of_save_4(planned), planned)
+    on_log = recorded([log(1), log(2)] + save(2) + [log(3),
+                      '100  write(7</other/loss.jsonl>, "{\\"step\\": 4, \\"loss\\": 0.5}\\n", 27) = -1 ENOSPC '
+                      '(No space left on device) (INJECTED)'], steps=3)
+    with pytest.raises(KillMissedCount, match="hit its loss log instead"):
+        check_fault_landed(kill, planned, on_log, error=True)
+    abandoned = recorded([log(1), log(2)] + save(2, fail="EIO")[:3] + ['100  unlink("/ck/.ckpt-2.tmp") = 0',
+                         log(3), log(4)] + save(4))
+    with pytest.raises(KillMissedCount, match="save of step 2"):
+        check_fault_landed(kill, planned, abandoned, error=True)
+    # Operations that differ before the fault hit are the trainer's, not the delivery's.
+    differs = recorded([log(1), log(2), '100  mkdir("/ck/extra", 0777) = 0'] + save(2, fail="EIO") + [log(3), log(4)]
+                       + save(4))
+    with pytest.raises(CrashNotLanded) as caught:
+        check_fault_landed(kill, planned, differs, error=True)
+    assert not isinstance(caught.value, KillMissedCount)
 
 
 def test_a_shifted_count_is_guessed_from_the_most_common_shift_of_its_own_syscall():
