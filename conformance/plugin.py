@@ -274,9 +274,7 @@ def pytest_runtest_makereport(item, call):
         adapter = getattr(session, "adapter", None)
         message = ""
         if call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
-            exc = call.excinfo.value
-            message = str(exc) if isinstance(exc, AssertionError) else \
-                exc.msg if isinstance(exc, pytest.fail.Exception) else call.excinfo.exconly()
+            message = failure_message(call.excinfo.value)
         payload = {"check": _check_id(item), "evidence": [e.to_json() for e in evidence.take()], "message": message,
                    "adapter": None if adapter is None else
                    {"name": adapter.name, "spec": adapter.spec, "version": adapter.version,
@@ -284,6 +282,26 @@ def pytest_runtest_makereport(item, call):
         item.user_properties[:] = [(k, v) for k, v in item.user_properties if k != reports.PROPERTY]
         item.user_properties.append((reports.PROPERTY, json.dumps(payload)))
     yield
+
+
+def failure_message(exc: BaseException) -> str:
+    """What a failed check's report says: a check's own message as it wrote it, else the
+    exception's type and text. An exception group (Hypothesis's FlakyFailure: a draw failed, and
+    its replay did something else) says each exception inside it too, where the first
+    failure's message is."""
+    if not str(exc) and exc.__cause__ is not None and not isinstance(exc, BaseExceptionGroup):
+        return failure_message(exc.__cause__)   # a wrapper (Hypothesis wraps a pytest.fail in a group)
+    if isinstance(exc, pytest.fail.Exception):
+        text = exc.msg
+    elif isinstance(exc, AssertionError):
+        text = str(exc)
+    else:
+        name = type(exc).__qualname__
+        text = f"{type(exc).__module__}.{name}: {exc}" if type(exc).__module__ != "builtins" else f"{name}: {exc}"
+    if isinstance(exc, BaseExceptionGroup):
+        for n, inner in enumerate(exc.exceptions, 1):
+            text += f"\n  inner exception {n}: " + failure_message(inner).replace("\n", "\n    ")
+    return text
 
 
 def case_from_report(rep) -> reports.Case | None:

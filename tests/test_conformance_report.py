@@ -241,3 +241,21 @@ def test_the_workflow_template_uses_only_real_options():
     missing = [opt for opt in used if opt not in known]
     assert not missing, f"the example workflow uses options pytest does not know: {missing}"
     assert expected.parse(EXAMPLES / "conformance-expected-failures.txt") == []
+
+
+def test_a_flaky_failure_reports_the_failure_inside_it():
+    """Hypothesis's FlakyFailure (a draw failed, its replay did something else) is a group: the
+    report keeps the check's own message from inside it, not only the headline."""
+    from hypothesis.errors import FlakyFailure
+
+    from conformance.plugin import failure_message
+    try:
+        pytest.fail("[io_error[enospc]] after ENOSPC the trainer exited 1\n  fault: ENOSPC injected", pytrace=False)
+    except pytest.fail.Exception as exc:
+        failed = exc
+    group = FlakyFailure("Inconsistent results from replaying a test case!", [failed, ValueError("replayed: rejected")])
+    text = failure_message(group)
+    assert text.startswith("hypothesis.errors.FlakyFailure: Inconsistent results")
+    assert "inner exception 1: [io_error[enospc]] after ENOSPC the trainer exited 1\n      fault: ENOSPC injected" in text
+    assert "inner exception 2: ValueError: replayed: rejected" in text
+    assert failure_message(AssertionError("plain")) == "plain" and failure_message(KeyError("k")) == "KeyError: 'k'"
