@@ -18,7 +18,7 @@ from .crash_states import Replayer
 from .delivery import CrashNotLanded, PlannedKill, choose_route, deliver
 from .process import ProcessResult, RunSpec, rank_log, remove_logs
 from .runners import Runner, Stop, Tracing
-from .scenario import plan
+from .scenario import plan, what_is_there
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
 # Syscalls an error can be injected into: the writes, syncs and namespace changes of a save.
@@ -65,7 +65,7 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     ckpt.mkdir(parents=True)
     kill = plan(point, baseline)
     if kill is None:
-        raise CrashNotLanded(f"fault point {point} does not exist in the trainer's trace")
+        raise CrashNotLanded(f"fault point {point} does not exist in the trainer's trace ({what_is_there(baseline, point)})")
     log = (workdir / "faulted-loss.jsonl").resolve()
     rank = point.on_rank
     data = went_on_until is not None

@@ -123,12 +123,16 @@ class RecordedRun:
         """The save op `op_index` belongs to, or None outside any save."""
         return self.ops[op_index].save or None
 
+    def thread_ops(self, save: int, lane: int, rank: int = 0) -> list[int]:
+        """Op indices of the mutations of the save of step `save` on its thread `lane` (rank
+        `rank`'s, in a merged job run), in order: what a save point's position counts."""
+        return [i for i in self.windows().get(save, []) if self.ops[i].lane == lane and self.ops[i].rank == rank]
+
     def position_in_save(self, op_index: int) -> int:
         """1-based position of op `op_index` among its save's mutations on its thread (its rank's,
         in a job): the same in every run, however threads interleave."""
         me = self.ops[op_index]
-        same = [i for i in self.windows().get(me.save, []) if self.ops[i].rank == me.rank and self.ops[i].lane == me.lane]
-        return same.index(op_index) + 1
+        return self.thread_ops(me.save, me.lane, me.rank).index(op_index) + 1
 
     def role(self, op_index: int) -> str:
         """What an operation is, independent of run-random names and of how threads interleave:

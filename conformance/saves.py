@@ -122,7 +122,7 @@ def locate_point(run: RecordedRun, point: CrashPoint) -> int | None:
     """The mutation (its position in `run.mutations`) a save point names in `run` (a process's or
     a rank's own run), or None when that save has no such operation on that thread, or a kill by
     count there could land elsewhere (not targetable)."""
-    lane = [i for i in run.windows().get(point.index, []) if run.ops[i].lane == point.thread]
+    lane = run.thread_ops(point.index, point.thread, point.on_rank)
     if point.op > len(lane) or not run.ops[lane[point.op - 1]].targetable:
         return None
     return run.mutations.index(lane[point.op - 1])

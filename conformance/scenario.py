@@ -64,14 +64,14 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
     return PlannedKill(point, op.syscall, op.nth, where, k, newest, save, max(own, newest, save or 0))
 
 
-def _what_there(run: recording.RecordedRun, point: CrashPoint) -> str:
+def what_is_there(run: recording.RecordedRun, point: CrashPoint) -> str:
     """What the process's trace has where `point` looked, for the message that it is not there."""
     if point.on_rank not in (run.ranks or {0: 0}):
         return f"no rank {point.on_rank}"
     view = run.rank_view(point.on_rank)
     if point.kind != "save":
         return f"{len(view.crash_points())} targetable filesystem operations"
-    lane = [i for i in view.windows().get(point.index, []) if view.ops[i].lane == point.thread]
+    lane = view.thread_ops(point.index, point.thread, point.on_rank)
     thread = f"background thread {point.thread}" if point.thread else "its logging thread"
     if point.op <= len(lane):
         return (f"operation {point.op} of the save of step {point.index} on {thread} is "
@@ -130,7 +130,7 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
             crashed[-1].resumed_from = started_from
         kill = plan(point, own)
         if kill is None:
-            what = f"crash point {point} does not exist in process {i + 1}'s trace ({_what_there(own, point)}" + (
+            what = f"crash point {point} does not exist in process {i + 1}'s trace ({what_is_there(own, point)}" + (
                 f", resumed from step {started_from})" if i else ")")
             raise CrashPointMissing(what) if i else CrashNotLanded(what)
         log = (workdir / f"p{i}-loss.jsonl").resolve()

@@ -15,14 +15,14 @@ from .codec import Compression
 from .coldfs import ColdStorageError
 from .data_order import ResumableBatchSampler
 from .errors import (
-                     CheckpointError,
-                     CheckpointWriteError,
-                     CorruptCheckpointError,
-                     IncompleteCheckpointError,
-                     InvalidIndexError,
-                     RNGRestoreError,
-                     SchemaError,
-                     UnsafeCheckpointError,
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidIndexError,
+    RNGRestoreError,
+    SchemaError,
+    UnsafeCheckpointError,
 )
 from .lineage import NoSuchCheckpointError
 from .manager import CheckpointInfo, CheckpointManager, CheckpointSkippedWarning, latest_valid, list_checkpoints, load, verify

@@ -37,7 +37,7 @@ def parse(name: str) -> tuple[int, str] | None:
 
 def layout_of(name: str) -> str:
     """The layout a checkpoint's name says (a name without a suffix is a sharded directory)."""
-    return "chain" if name.endswith(CHAIN_SUFFIX) else "file" if name.endswith(FILE_SUFFIX) else "sharded"
+    return next((layout for layout, suffix in _SUFFIX_OF.items() if suffix and name.endswith(suffix)), "sharded")
 
 
 def step_of(name: str) -> int:
