@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
     marked = [item for item in items if item.get_closest_marker("needs_strace")]
     if not marked:
         return
-    from conformance.strace import strace_problem
+    from conformance.trace.strace import strace_problem
     problem = strace_problem()
     if problem:
         for item in marked:

@@ -1,7 +1,11 @@
 """Resume-determinism conformance suite for PyTorch training checkpoints."""
-__version__ = "0.1.0"
+from .model.adapters import LegacySample, TrainerAdapter
+from .model.settings import VERSION as __version__
 
-from .adapters import LegacySample, TrainerAdapter  # noqa: E402
+# The subpackages in import order, lowest first ("" is the modules directly in this package): a module
+# imports only from its own layer or below. tests/test_conformance_layout.py checks it, and docs/design.md's
+# module table is generated from it.
+LAYERS = (("model",), ("trace",), ("run",), ("offline",), ("faults",), ("checks",), ("report",), ("cli", "bench"), ("",))
 
 
 def __getattr__(name):
@@ -13,4 +17,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'conformance' has no attribute {name!r}")
 
 
-__all__ = ["LegacySample", "ResumeConformance", "TrainerAdapter", "__version__"]
+__all__ = ["LAYERS", "LegacySample", "ResumeConformance", "TrainerAdapter", "__version__"]

@@ -17,11 +17,11 @@ from pathlib import Path
 
 
 def _replay(args) -> int:
-    from .adapters import AdapterError, resolve
     from .checks import Session, split_id
-    from .failures import ConformanceFailure
-    from .process import RunSpec
-    from .scenario import CrashNotLanded, CrashPointMissing
+    from .checks.failures import ConformanceFailure
+    from .faults.scenario import CrashNotLanded, CrashPointMissing
+    from .model.adapters import AdapterError, resolve
+    from .model.process import RunSpec
     try:
         check, param = split_id(args.check)
     except KeyError:
@@ -58,7 +58,7 @@ def _replay(args) -> int:
 
 
 def _report(args) -> int:
-    from . import report
+    from .report import report
     try:
         loaded = report.load_report(args.path)
     except ValueError as exc:
@@ -73,14 +73,14 @@ def _report(args) -> int:
 
 
 def _soak(args) -> int:
-    from .soak import main as soak_main
+    from .cli.soak import main as soak_main
     return soak_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .checks import CHECKS, all_check_ids
-    from .settings import DEFAULT_GRACE_S, DEFAULT_TOL
-    from .soak import add_arguments as add_soak_arguments
+    from .cli.soak import add_arguments as add_soak_arguments
+    from .model.settings import DEFAULT_GRACE_S, DEFAULT_TOL
     parser = argparse.ArgumentParser(prog="python -m conformance")
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay one case exactly, from the line a failure printed")
@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _badge(args) -> int:
-    from . import report
-    from .levels import badge_svg, highest
+    from .report import report
+    from .report.levels import badge_svg, highest
     try:
         loaded = report.load_report(args.path)
     except ValueError as exc:
@@ -131,7 +131,7 @@ def _badge(args) -> int:
 
 
 def _init(args) -> int:
-    from .init import main as init_main
+    from .cli.init import main as init_main
     return init_main(args)
 
 

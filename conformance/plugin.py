@@ -15,15 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from . import evidence, expected
-from . import report as reports
-from . import settings as _settings  # noqa: F401  (registers the Hypothesis profiles)
-from .adapters import AdapterError, TrainerAdapter, checked_world_size, resolve
 from .checks import Session
-from .launch import JobConfig
-from .runners import SubprocessRunner, WarmRunner
-from .settings import DEFAULT_GRACE_S, DEFAULT_TOL
-from .usage import describe_setup, multirank_problems, unknown_ini_keys
+from .model import evidence
+from .model import settings as _settings  # noqa: F401  (registers the Hypothesis profiles)
+from .model.adapters import AdapterError, TrainerAdapter, checked_world_size, resolve
+from .model.settings import DEFAULT_GRACE_S, DEFAULT_TOL
+from .report import expected
+from .report import report as reports
+from .report.usage import describe_setup, multirank_problems, unknown_ini_keys
+from .run.launch import JobConfig
+from .run.runners import SubprocessRunner, WarmRunner
 
 OPTIONS = {   # name -> (command-line flag, ini key)
     "adapter": ("--adapter", "conformance_adapter"),
@@ -112,7 +113,7 @@ def conformance_session_for(request, tmp_path_factory):
             plot_dir = Path(report_dir).resolve() / "plots" if report_dir else None
             nonlocal s3
             if cold.startswith("s3://") and resolved.has("cold_tier") and s3 is None:
-                from .coldstore import LoopbackS3
+                from .run.coldstore import LoopbackS3
                 s3 = LoopbackS3(cold)
             cache[key] = Session(resolved, tmp_path_factory.mktemp("conformance"), runner=runner, tol=tol,
                                  plot_dir=plot_dir, process_timeout=timeout, grace_s=grace, cold=cold)

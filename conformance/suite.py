@@ -18,11 +18,11 @@ from hypothesis import given, note, reject, seed, settings
 from hypothesis import strategies as st
 
 from .checks import CHECKS, Check, Session, skip_reason
+from .checks.failures import ConformanceFailure
 from .checks.registry import case_text
-from .failures import ConformanceFailure
-from .process import RunSpec
-from .scenario import CrashNotLanded, CrashPointMissing
-from .settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK
+from .faults.scenario import CrashNotLanded, CrashPointMissing
+from .model.process import RunSpec
+from .model.settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK
 
 ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd", "world_size")
 

@@ -9,11 +9,10 @@
     state = TrainState.from_payload(payload)
     state.restore(model, optimizer, scheduler)   # also restores every RNG
 """
-from .atomic import atomic_write, atomic_write_bytes, remove_stale_temps
-from .chain import BrokenChainError
-from .codec import Compression
-from .coldfs import ColdStorageError
-from .data_order import ResumableBatchSampler
+from .chain.codec import Compression
+from .chain.read import BrokenChainError
+from .cold.fs import ColdStorageError
+from .cold.store import ColdTierError
 from .errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -24,16 +23,17 @@ from .errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
+from .layouts.sharded import load_sharded, plan_shards, save_sharded, verify_sharded
+from .layouts.single_file import load_file, save_file
 from .lineage import NoSuchCheckpointError
+from .loop.data_order import ResumableBatchSampler
+from .loop.preemption import PreemptionGuard
+from .loop.triggers import TriggerStateError, any_of, every_seconds, every_steps, forced_only, hybrid, on_metric
 from .manager import CheckpointInfo, CheckpointManager, CheckpointSkippedWarning, latest_valid, list_checkpoints, load, verify
-from .preemption import PreemptionGuard
+from .primitives.atomic import atomic_write, atomic_write_bytes, remove_stale_temps
+from .primitives.schema import CURRENT_SCHEMA, CURRENT_VERSION, migrate, register_migration
 from .rng import capture_rng, restore_rng
-from .schema import CURRENT_SCHEMA, CURRENT_VERSION, migrate, register_migration
-from .sharded import load_sharded, plan_shards, save_sharded, verify_sharded
-from .single_file import load_file, save_file
 from .state import TrainState, capture
-from .tiers import ColdTierError
-from .triggers import TriggerStateError, any_of, every_seconds, every_steps, forced_only, hybrid, on_metric
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import fsck, log
+from .cli import fsck, log
 
 
 def parser() -> argparse.ArgumentParser:

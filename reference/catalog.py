@@ -14,12 +14,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from . import chain, names
-from .atomic import fsync_dir, is_temp_name
+from . import names
+from .chain import read as chain
 from .errors import CheckpointError
-from .index import INDEX_NAME, read_index
-from .sharded import check_sizes, load_sharded, verify_sharded
-from .single_file import load_file
+from .layouts.index import INDEX_NAME, read_index
+from .layouts.sharded import check_sizes, load_sharded, verify_sharded
+from .layouts.single_file import load_file
+from .primitives.atomic import fsync_dir, is_temp_name
 
 
 class CheckpointSkippedWarning(UserWarning):

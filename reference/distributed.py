@@ -43,10 +43,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from . import names
-from .atomic import atomic_write_bytes, fsync_dir
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError, write_error
-from .integrity import sha256_file
 from .manager import CheckpointSkippedWarning
+from .primitives.atomic import atomic_write_bytes, fsync_dir
+from .primitives.integrity import sha256_file
 from .retention import Candidate, keep_set
 from .rng import capture_rng, restore_rng
 

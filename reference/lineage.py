@@ -19,8 +19,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_write_bytes
 from .errors import CheckpointError, InvalidIndexError
+from .primitives.atomic import atomic_write_bytes
 
 MAIN = "main"
 HEAD_NAME = "HEAD.json"

@@ -22,8 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import chain, chain_write, lineage, names, tiering, tree, triggers
-from .atomic import fsync_dir, remove_stale_temps
+from . import lineage, names
 from .catalog import (
     CheckpointInfo,
     CheckpointSkippedWarning,
@@ -34,12 +33,18 @@ from .catalog import (
     remove_checkpoint,
     verify,
 )
-from .codec import Compression
+from .chain import read as chain
+from .chain import write as chain_write
+from .chain.codec import Compression
+from .cold import demotion as tiering
+from .cold.store import ColdTier
 from .errors import CheckpointError, write_error
+from .layouts.sharded import GroupBy, save_sharded
+from .layouts.single_file import save_file
+from .loop import triggers
+from .primitives import tree
+from .primitives.atomic import fsync_dir, remove_stale_temps
 from .retention import committed, keep_set
-from .sharded import GroupBy, save_sharded
-from .single_file import save_file
-from .tiers import ColdTier
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "CheckpointSkippedWarning", "latest_valid", "list_checkpoints",
            "load", "verify"]

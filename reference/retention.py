@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from . import chain
 from .catalog import CheckpointInfo, check_committed, read_meta
+from .chain import read as chain
 from .errors import CheckpointError
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError, SchemaError
+from .primitives.schema import CURRENT_SCHEMA
 from .rng import capture_rng, restore_rng
-from .schema import CURRENT_SCHEMA
 
 _REQUIRED = ("schema", "model", "counters", "rng")
 

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from conformance import bench, bench_ab
-from conformance.readme import MarkerMissing, replace_section
+from conformance.bench import ab as bench_ab
+from conformance.bench import measure as bench
+from conformance.report.readme import MarkerMissing, replace_section
 
 
 def _result(trial=0.08, states=1200.0, ci=60.0, power=1500.0, ranks=2.5, ranks_ci=None):
@@ -57,7 +58,7 @@ def test_replace_section_replaces_only_its_section(tmp_path):
 
 
 def test_the_readme_updater_imports_no_torch():
-    code = "import sys, conformance.readme; print('torch' in sys.modules)"
+    code = "import sys, conformance.report.readme; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
@@ -140,7 +141,7 @@ class _NeverKills:
         self.runs: list[tuple[bool, str]] = []
 
     def run_process(self, adapter, spec, ckpt_dir, loss_log, *, tracing=None, stop=None):
-        from conformance.process import ProcessResult
+        from conformance.model.process import ProcessResult
         self.runs.append((tracing is not None, "started"))
         result = ProcessResult(0, {1: 0.5}, "", trace_text="")
         self.runs[-1] = (tracing is not None, "finished")
@@ -150,11 +151,11 @@ class _NeverKills:
 def test_a_kill_that_does_not_land_still_fails_the_trial_and_leaves_no_final_run_behind(tmp_path):
     from pathlib import Path
 
-    from conformance import recording, strace
-    from conformance.crash import CrashPoint
-    from conformance.delivery import CrashNotLanded
-    from conformance.process import ProcessResult, RunSpec
-    from conformance.scenario import run_schedule
+    from conformance.faults.delivery import CrashNotLanded
+    from conformance.faults.scenario import run_schedule
+    from conformance.model.crash import CrashPoint
+    from conformance.model.process import ProcessResult, RunSpec
+    from conformance.trace import recording, strace
 
     spec = RunSpec(1, 1, 0)
     base = recording.build(strace.parse(BASELINE), spec, ProcessResult(0, {1: 0.5}, ""), Path("/ck"),

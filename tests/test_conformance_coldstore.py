@@ -1,4 +1,4 @@
-"""The cold tier as the suite hands it to a trainer (conformance/coldstore.py): every change is
+"""The cold tier as the suite hands it to a trainer (conformance/run/coldstore.py): every change is
 forwarded and recorded with the step logged before it; a kill lands exactly before change N; the
 RunSpec puts it in a trainer's environment; and over S3 the loopback server the suite starts."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from conformance import coldstore
-from conformance.crash import ColdFault
-from conformance.process import RunSpec, cold_env, cold_log, cold_root
+from conformance.model.crash import ColdFault
+from conformance.model.process import RunSpec, cold_env, cold_log, cold_root
+from conformance.run import coldstore
 
 SCRIPT = """
 import json, os, fsspec

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance import recording, strace
 from conformance.checks.states import judge_state, resumed_past
-from conformance.crash_states import CrashState, Replayer, build_state, crash_states, probe_specs
-from conformance.process import ProcessResult, RunSpec
-from conformance.recording import UnreplayableTrace
+from conformance.model.process import ProcessResult, RunSpec
+from conformance.offline.crash_states import CrashState, Replayer, build_state, crash_states, probe_specs
+from conformance.trace import recording, strace
+from conformance.trace.recording import UnreplayableTrace
 
 ROOT = Path("/run/ck")
 LOG = Path("/run/loss.jsonl")
@@ -167,7 +167,7 @@ def test_a_file_written_elsewhere_and_renamed_in_keeps_its_bytes(tmp_path):
 def test_states_that_leave_the_same_directory_are_decided_once(tmp_path):
     """An fsync changes nothing a kill leaves: the states before and after it are one directory,
     judged alike, and decided once; every state that changes a byte is its own."""
-    from conformance.crash_states import distinct
+    from conformance.offline.crash_states import distinct
     run = parse_recording(RECORDING)
     states = crash_states(run)
     by_label = {s.label: s for s in states}
@@ -193,7 +193,7 @@ def _tree(root: Path) -> dict:
 def test_power_cuts_that_leave_the_same_directory_share_a_key(tmp_path):
     """Under the `data` model the writes before an fsync leave nothing durable: the cuts before
     each of them are one directory (decided once by power_loss); the fsync makes a new one."""
-    from conformance import powerloss
+    from conformance.offline import powerloss
     run = parse_recording(RECORDING)
     cuts = dict(powerloss.cuts(run, "data"))
     writes = [o.index for o in run.ops if o.kind == "write" and o.path == "step-3/.a.tmp"]

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from conformance import recording, strace
-from conformance.adapters import load_object
 from conformance.checks.damage import fallback_step, saves_held
 from conformance.checks.session import Session
-from conformance.process import ProcessResult, RunSpec
-from conformance.recording import Op, RecordedRun
+from conformance.model.adapters import load_object
+from conformance.model.process import ProcessResult, RunSpec
+from conformance.trace import recording, strace
+from conformance.trace.recording import Op, RecordedRun
 
 ROOT = Path("/run/ck")
 WRITE_FLAGS = "O_WRONLY|O_CREAT|O_TRUNC|O_CLOEXEC"

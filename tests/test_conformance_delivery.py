@@ -1,4 +1,4 @@
-"""Meta-tests of how a fault lands and is proven to (conformance/delivery.py): the choice of route
+"""Meta-tests of how a fault lands and is proven to (conformance/faults/delivery.py): the choice of route
 (on the loss log, by path, by count), each route's proof of landing, count shifts in a job, and
 retries; with recorded runs (strace text parsed by the one parser) and hand-made ones as data."""
 from __future__ import annotations
@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import recording, strace
-from conformance.crash import CrashPoint
-from conformance.delivery import (
+from conformance.faults.delivery import (
     AtOperation,
     CrashNotLanded,
     KillMissedCount,
@@ -19,7 +17,9 @@ from conformance.delivery import (
     check_fault_landed,
     choose_route,
 )
-from conformance.process import ProcessResult, RunSpec
+from conformance.model.crash import CrashPoint
+from conformance.model.process import ProcessResult, RunSpec
+from conformance.trace import recording, strace
 
 ROOT, LOG = Path("/ck"), Path("/other/loss.jsonl")
 
@@ -54,7 +54,7 @@ def fsync_of_save_4(planned: recording.RecordedRun) -> CrashPoint:
 
 def test_a_step_point_lands_on_the_loss_log_whatever_else_the_process_writes():
     planned = recorded(UNINTERRUPTED)
-    from conformance.scenario import plan
+    from conformance.faults.scenario import plan
     kill = plan(CrashPoint("step", 2), planned)
     route = choose_route(kill, planned, frozenset(), ROOT, LOG, job=False)
     assert isinstance(route, OnLog) and route.nth == 3 and route.path == str(LOG)   # the write that logs step 3
@@ -69,7 +69,7 @@ def test_a_step_point_lands_on_the_loss_log_whatever_else_the_process_writes():
 
 def test_a_step_point_whose_run_must_be_recorded_whole_goes_by_count():
     planned = recorded(UNINTERRUPTED)
-    from conformance.scenario import plan
+    from conformance.faults.scenario import plan
     kill = plan(CrashPoint("step", 2), planned)
     route = choose_route(kill, planned, frozenset(), ROOT, LOG, job=False, whole_recording=True)
     assert isinstance(route, AtOperation) and route.counting()
@@ -77,7 +77,7 @@ def test_a_step_point_whose_run_must_be_recorded_whole_goes_by_count():
 
 def test_an_fs_point_of_a_single_thread_goes_by_count_and_of_a_threaded_one_by_path_when_its_path_is_stable():
     planned = recorded(UNINTERRUPTED)
-    from conformance.scenario import plan
+    from conformance.faults.scenario import plan
     kill = plan(fsync_of_save_4(planned), planned)
     assert "fsync" in kill.text and kill.in_progress == 4
     assert choose_route(kill, planned, frozenset(), ROOT, LOG, job=False).counting()
@@ -88,7 +88,7 @@ def test_an_fs_point_of_a_single_thread_goes_by_count_and_of_a_threaded_one_by_p
 
 def test_a_path_delivery_that_missed_counts_from_then_on():
     planned = recorded(UNINTERRUPTED)
-    from conformance.scenario import plan
+    from conformance.faults.scenario import plan
     kill = plan(fsync_of_save_4(planned), planned)
     route = choose_route(kill, planned, frozenset({".ckpt-4.tmp"}), ROOT, LOG, job=True)
     missed = recorded([log(1), log(2)] + save(2) + [log(3), log(4)] + save(4), steps=4)
@@ -99,7 +99,7 @@ def test_a_path_delivery_that_missed_counts_from_then_on():
 
 def test_an_error_by_count_is_proven_at_the_planned_operation():
     planned = recorded(UNINTERRUPTED)
-    from conformance.scenario import plan
+    from conformance.faults.scenario import plan
     kill = plan(fsync_of_save_4(planned), planned)
     failed = recorded([log(1), log(2)] + save(2) + [log(3), log(4)] + save(4, fail="EIO"))
     check_fault_landed(kill, planned, failed, error=True)
@@ -116,7 +116,7 @@ def test_an_error_that_hit_another_call_is_a_miss_whatever_the_trainer_did_after
     earlier write, after which a correct trainer abandons that save. The same operations up to
     the hit make it a miss (retried, then another point), not a difference in the trainer."""
     planned = recorded(UNINTERRUPTED)
-    from conformance.scenario import plan
+    from conformance.faults.scenario import plan
     kill = plan(fsync_of_save_4(planned), planned)
     on_log = recorded([log(1), log(2)] + save(2) + [log(3),
                       '100  write(7</other/loss.jsonl>, "{\\"step\\": 4, \\"loss\\": 0.5}\\n", 27) = -1 ENOSPC '
@@ -136,7 +136,7 @@ def test_an_error_that_hit_another_call_is_a_miss_whatever_the_trainer_did_after
 
 
 def test_a_shifted_count_is_guessed_from_the_most_common_shift_of_its_own_syscall():
-    from conformance.delivery import ShiftGuesses
+    from conformance.faults.delivery import ShiftGuesses
 
     class Run:   # stands in for a planned run: only its identity matters
         pass
@@ -160,14 +160,14 @@ def test_a_shifted_count_is_guessed_from_the_most_common_shift_of_its_own_syscal
 
 def _run(ops):
     """A rank's recorded run made of `(kind, path, target, syscall, tid, killed)` operations."""
-    from conformance.recording import Op, RecordedRun
+    from conformance.trace.recording import Op, RecordedRun
     built = tuple(Op(i, kind, path, target=target, syscall=syscall, tid=tid, killed=killed, after_step=3)
                   for i, (kind, path, target, syscall, tid, killed) in enumerate(ops))
     return RecordedRun(RunSpec(14, 3, 0, 2), None, Path("/ck"), built, {}, frozenset())
 
 
 def test_a_kill_on_a_path_every_run_shares_counts_only_its_threads_calls_on_that_path():
-    from conformance.delivery import path_delivery
+    from conformance.faults.delivery import path_delivery
     view = _run([("write", "s/rank1.pt", "", "write", 10, False),      # the main thread
                  ("write", "s/__1_0.distcp", "", "write", 11, False),  # a background writer
                  ("write", "s/rank1.pt", "", "write", 10, False),
@@ -188,7 +188,7 @@ def test_a_kill_on_a_path_every_run_shares_counts_only_its_threads_calls_on_that
 
 
 def test_a_kill_by_path_landed_only_on_the_planned_call():
-    from conformance.delivery import CrashNotLanded, check_landed_on_path
+    from conformance.faults.delivery import CrashNotLanded, check_landed_on_path
     kill = PlannedKill(CrashPoint("fs", 3, 1), "write", 99, "rank 1: write", 3, 0, 3)
     first_write = _run([("write", "s/__1_0.distcp", "", "write", 11, True)])
     second_write = _run([("write", "s/__1_0.distcp", "", "write", 11, False),
@@ -203,7 +203,7 @@ def test_a_kill_by_path_landed_only_on_the_planned_call():
 def test_an_error_delivered_by_path_landed_on_the_planned_call():
     import dataclasses as dc
 
-    from conformance.delivery import CrashNotLanded, check_landed_on_path
+    from conformance.faults.delivery import CrashNotLanded, check_landed_on_path
     kill = PlannedKill(CrashPoint("fs", 4, 1), "fsync", 99, "rank 1: fsync", 4, 0, 3)
     run = _run([("fsync", "s/__1_0.distcp", "", "fsync", 11, False)])
     failed = dc.replace(run, ops=(dc.replace(run.ops[0], error="EIO"),))
@@ -217,8 +217,8 @@ def test_a_count_shift_is_measured_at_the_last_loss_log_write_before_the_point()
     shift at step 1's log says nothing about a point in the save of step 3."""
     import dataclasses as dc
 
-    from conformance.delivery import count_shift
-    from conformance.strace import Syscall
+    from conformance.faults.delivery import count_shift
+    from conformance.trace.strace import Syscall
 
     def logs(counts):
         return {step: Syscall(step, 10, "write", n, (), "39") for step, n in counts.items()}
@@ -232,7 +232,7 @@ def test_a_count_shift_is_measured_at_the_last_loss_log_write_before_the_point()
 
 
 def test_a_point_another_thread_reaches_by_count_is_not_delivered_by_count():
-    from conformance.delivery import AtOperation, CrashPointMissing
+    from conformance.faults.delivery import AtOperation, CrashPointMissing
     view = _run([("write", "s/.tmp-main", "", "write", 10, False),     # main thread: write #1 to a temp name
                  ("write", "s/__1_0.distcp", "", "write", 11, False)])  # background writer: its write #1
     view = dataclasses.replace(view, ops=tuple(dataclasses.replace(o, nth=1) for o in view.ops))
@@ -249,7 +249,7 @@ def test_a_point_another_thread_reaches_by_count_is_not_delivered_by_count():
 def test_a_late_kill_shows_the_shift_at_the_planned_operation_itself():
     import dataclasses as dc
 
-    from conformance.delivery import count_shift
+    from conformance.faults.delivery import count_shift
     planned = _run([("write", "s/a", "", "write", 10, False), ("write", "s/.tmp-b", "", "write", 10, False)])
     planned = dc.replace(planned, ops=tuple(dc.replace(o, nth=n) for o, n in zip(planned.ops, (5, 6))))
     landed = _run([("write", "s/a", "", "write", 10, False), ("write", "s/.tmp-c", "", "write", 10, False),
@@ -263,13 +263,7 @@ def test_a_job_fault_that_keeps_missing_by_a_few_calls_draws_another_point_but_a
     """gloo's wake-up writes can drift by more than the shifts catch up with: after the last
     attempt, a miss where the operations matched says nothing about the trainer (another point is
     drawn); operations that differ still fail it, and a single process gets no retry."""
-    from conformance.delivery import (
-        DELIVERY_ATTEMPTS,
-        CrashNotLanded,
-        CrashPointMissing,
-        KillMissedCount,
-        deliver,
-    )
+    from conformance.faults.delivery import DELIVERY_ATTEMPTS, CrashNotLanded, CrashPointMissing, KillMissedCount, deliver
     kill = PlannedKill(CrashPoint("fs", 1, 1), "write", 6, "rank 1: write", 1, 0, 3)
     view = _run([("write", "s/a", "", "write", 10, False), ("write", "s/.tmp-b", "", "write", 10, False)])
     attempts = []
@@ -300,8 +294,8 @@ def test_a_count_the_main_threads_log_writes_also_reach_is_not_delivered_by_coun
     """A background writer's write #2 to a run-random temp file, and the main thread's write #2 (the
     loss log, not an operation under the checkpoint directory): whichever thread gets there first
     in a run takes the kill, so the point is not delivered by count (another is drawn)."""
-    from conformance.delivery import CrashPointMissing
-    from conformance.scenario import plan
+    from conformance.faults.delivery import CrashPointMissing
+    from conformance.faults.scenario import plan
     tmp = "/ck/.tmp-ckpt-1-4242"
     lines = [log(1), f'200  openat(AT_FDCWD</run>, "{tmp}", O_WRONLY|O_CREAT|O_TRUNC, 0644) = 3<{tmp}>',
              f'200  write(3<{tmp}>, "a", 1) = 1', f'200  write(3<{tmp}>, "b", 1) = 1', log(2)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.checks import preemption, storage
-from conformance.crash import CrashPoint
-from conformance.delivery import PlannedKill
-from conformance.faults import FaultOutcome
-from conformance.process import ProcessResult, RunSpec
+from conformance.faults.delivery import PlannedKill
+from conformance.faults.injection import FaultOutcome
+from conformance.model.crash import CrashPoint
+from conformance.model.process import ProcessResult, RunSpec
 
 SPEC = RunSpec(14, 3, 0)
 BASELINE = {k: 1.0 / k for k in range(1, 15)}

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from conformance.adapters import load_object
 from conformance.checks import BY_ID, all_check_ids, split_id
+from conformance.model.adapters import load_object
 from fixtures import CORRECT_TRAINERS
 from fixtures.broken import CATALOGUE
 

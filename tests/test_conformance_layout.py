@@ -1,6 +1,6 @@
-"""Meta-tests of how the suite is put together: imports run one way, the suite reaches fixtures
-only through adapter strings, no module grows past ~400 lines, and the README's checks table is
-the registry's."""
+"""Meta-tests of how the suite is put together: the subpackages are layers and imports run one way,
+no import cycle, at most 12 modules directly in a package, the suite reaches fixtures only through
+adapter strings, no module grows past 400 lines, and the docs' tables are generated from the code."""
 from __future__ import annotations
 
 import ast
@@ -9,55 +9,83 @@ from pathlib import Path
 import pytest
 
 from conformance.checks.registry import TABLE_MARKER, markdown_table
+from conformance.report.readme import MODULES_MARKER, PAGES, module_table, table_after
 
 REPO = Path(__file__).resolve().parents[1]
-# conformance's modules, lowest layer first: a module imports only from its own layer or below.
-LAYERS = [
-    {"crash", "process", "strace", "settings", "evidence", "readme", "adapters", "corrupt", "child", "launch", "coldstore"},
-    {"operations", "recording", "saves", "alignment", "failures", "plots", "proctree", "watchdog"},
-    {"runners", "forkserver", "rank", "attach"},
-    {"delivery", "scenario", "crash_states", "powerloss", "faults", "strategies"},
-    {"checks"},
-    {"expected", "report", "suite", "plugin", "__main__", "bench", "test_conformance", "__init__", "usage", "init",
-     "levels", "soak", "bench_ab"},
-]
-LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
 def _modules(package: str):
     for path in sorted((REPO / package).rglob("*.py")):
-        yield path, ast.parse(path.read_text())
+        if "__pycache__" not in path.parts:
+            yield path, ast.parse(path.read_text())
 
 
-def _conformance_imports(path: Path, tree: ast.AST) -> set[str]:
-    """Top-level conformance modules a file imports (checks/* counted as 'checks')."""
-    inside_checks = path.parent.name == "checks"
-    found = set()
-    for node in ast.walk(tree):
+def _dotted(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree):
+    """Every node that can run: an `if TYPE_CHECKING:` block never does; deferred imports do."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _imports(path: Path, tree: ast.AST, known: set[str]) -> set[str]:
+    """The modules of `known` that `path` imports, relative imports resolved, deferred ones included."""
+    here = _dotted(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out = set()
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 0 and (node.module or "").startswith("conformance."):
-                found.add(node.module.split(".")[1])
-            elif node.level == 1 and not inside_checks:
-                found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
-            elif node.level == 1 and inside_checks:
-                found.add("checks")
-            elif node.level == 2:
-                found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+            if node.level:
+                base = package.split(".")
+                base = ".".join(base[:len(base) - (node.level - 1)])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                out.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("conformance."))
-    return found
+            out.update(a.name for a in node.names)
+    return out & known - {here}
 
 
-def test_every_conformance_module_has_a_layer():
-    names = {("checks" if p.parent.name == "checks" else p.stem) for p, _ in _modules("conformance")}
-    assert names <= set(LAYER_OF), names - set(LAYER_OF)
+def _graph(package: str) -> dict[str, set[str]]:
+    modules = {_dotted(p): (p, t) for p, t in _modules(package)}
+    return {m: _imports(p, t, set(modules)) for m, (p, t) in modules.items()}
 
 
-@pytest.mark.parametrize("path, tree", list(_modules("conformance")), ids=lambda v: getattr(v, "name", ""))
-def test_imports_run_one_way(path, tree):
-    own = "checks" if path.parent.name == "checks" else path.stem
-    upward = sorted(m for m in _conformance_imports(path, tree) if m in LAYER_OF and LAYER_OF[m] > LAYER_OF[own])
-    assert not upward, f"{path.relative_to(REPO)} (layer {LAYER_OF[own]}) imports higher layers: {upward}"
+def _layer(module: str) -> str:
+    """A conformance module's layer: its subpackage, or "" for a module directly in conformance/."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (REPO / "conformance" / parts[1]).is_dir() else ""
+
+
+def test_every_subpackage_of_conformance_is_a_layer():
+    from conformance import LAYERS
+    declared = [name for names in LAYERS for name in names]
+    folders = {p.name for p in (REPO / "conformance").iterdir() if (p / "__init__.py").is_file()}
+    assert sorted(declared) == sorted(folders | {""}), (sorted(declared), sorted(folders))
+
+
+def test_imports_run_one_way():
+    from conformance import LAYERS
+    index = {name: i for i, names in enumerate(LAYERS) for name in names}
+    upward = [f"{m} (layer {index[_layer(m)]}) imports {d} (layer {index[_layer(d)]})"
+              for m, deps in sorted(_graph("conformance").items()) for d in sorted(deps)
+              if index[_layer(d)] > index[_layer(m)]]
+    assert not upward, upward
+
+
+@pytest.mark.parametrize("package", ["conformance", "reference"])
+def test_at_most_12_modules_directly_in_a_package(package):
+    """The folders show the architecture: a new module goes into the subpackage it belongs to."""
+    direct = sorted(p.name for p in (REPO / package).glob("*.py"))
+    assert len(direct) <= 12, direct
 
 
 @pytest.mark.parametrize("path, tree", list(_modules("conformance")), ids=lambda v: getattr(v, "name", ""))
@@ -101,59 +129,37 @@ def test_the_checks_package_names_the_module_of_every_check():
         assert all(re.search(rf"\b{cid.strip()}\b", source) for cid in ids.split(",")), f"{module} does not decide {ids}"
 
 
-def test_the_reference_library_page_names_every_module():
-    page = (REPO / "docs" / "reference-library.md").read_text()
-    missing = [p.name for p in sorted((REPO / "reference").glob("*.py")) if f"`{p.name}`" not in page]
-    assert not missing, f"docs/reference-library.md's module table lacks {missing}"
-
-
-def _imports_of(path: Path, package: str) -> set[str]:
-    """The sibling modules `path` imports, deferred imports included (`from .x import`, `from . import x`,
-    `from package.x import`); not those only a type checker reads."""
-    out = set()
-
-    def nodes(tree):     # what runs: an `if TYPE_CHECKING:` block never does
-        for node in ast.iter_child_nodes(tree):
-            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
-                continue
-            yield node
-            yield from nodes(node)
-    for node in nodes(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            mod = node.module or ""
-            if node.level == 1 and mod:
-                out.add(mod.split(".")[0])
-            elif node.level == 1:
-                out.update(a.name for a in node.names)
-            elif node.level == 0 and mod.startswith(package + "."):
-                out.add(mod[len(package) + 1:].split(".")[0])
-    return out
-
-
-@pytest.mark.parametrize("package", ["conformance", "conformance/checks", "reference", "reference/bench"])
-def test_no_import_cycle_between_the_modules_of_a_package(package):
-    """Deferred imports count: a cycle is a cycle whenever it runs."""
-    modules = {p.stem: p for p in (REPO / package).glob("*.py")}
-    graph = {m: _imports_of(p, package.replace('/', '.')) & set(modules) - {m} for m, p in modules.items()}
+@pytest.mark.parametrize("package", ["conformance", "reference", "fixtures"])
+def test_no_import_cycle_between_modules(package):
+    """Across the whole package, subpackages included; deferred imports count: a cycle is a cycle
+    whenever it runs. A package's `__init__` importing its own modules is not an edge back."""
+    graph = _graph(package)
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
     cycles = []
 
     def visit(node, path):
         for nxt in sorted(graph[node]):
             if nxt == path[0]:
                 cycles.append(" -> ".join(path + [nxt]))
-            elif nxt not in path and nxt > path[0]:
+            elif nxt not in path and nxt > path[0] and len(cycles) < 5:
                 visit(nxt, path + [nxt])
     for start in sorted(graph):
         visit(start, [start])
     assert not cycles, f"import cycles in {package}/: {cycles[:5]}"
 
 
-def test_the_design_page_names_every_module_in_its_layer():
-    """docs/design.md's table and LAYERS (what this file enforces) say the same thing."""
-    import re
-    rows = re.findall(r"^\| (\d) \| ([^|]+) \|", (REPO / "docs" / "design.md").read_text(), re.MULTILINE)
-    documented = {name.removesuffix(".py"): int(layer) for layer, cell in rows
-                  for name in re.findall(r"`([\w./*]+)`", cell) if "/" not in name}
-    assert documented == {m: LAYER_OF[m] for m in documented} and set(documented) == set(LAYER_OF) - {"checks"}, (
-        sorted(set(LAYER_OF) - {"checks"} - set(documented)), {m: (l, LAYER_OF.get(m)) for m, l in documented.items()
-                                                               if LAYER_OF.get(m) != l})
+@pytest.mark.parametrize("page, package, layered", PAGES)
+def test_a_docs_module_table_is_generated_from_the_docstrings(page, package, layered):
+    import importlib
+    layers = importlib.import_module(package).LAYERS if layered else None
+    assert table_after(REPO / page, MODULES_MARKER) == module_table(REPO / package, layers), (
+        f"{page}'s module table is stale: run `python -m conformance.report.readme`")
+
+
+@pytest.mark.parametrize("package", [p.parent for p in sorted(REPO.glob("*/*/__init__.py"))
+                                     if p.parts[-3] in ("conformance", "reference") and p.parent.name != "checks"],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_a_subpackage_docstring_names_each_of_its_modules(package):
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    missing = [p.stem for p in sorted(package.glob("*.py")) if not p.stem.startswith("_") and f"`{p.stem}`" not in doc]
+    assert not missing, f"{package.relative_to(REPO)}/__init__.py's docstring does not say what {missing} own"

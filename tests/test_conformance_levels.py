@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from conformance import report
 from conformance.checks import all_check_ids
-from conformance.levels import assess, badge_svg, highest
+from conformance.report import report
+from conformance.report.levels import assess, badge_svg, highest
 
 
 def _report(**outcomes: str) -> report.Report:
@@ -88,5 +88,5 @@ def test_init_writes_the_files_refuses_to_overwrite_and_the_first_run_passes(tmp
 
 @pytest.mark.parametrize("framework", ["plain", "lightning", "accelerate", "hf"])
 def test_every_framework_template_compiles(framework):
-    from conformance.init import files
+    from conformance.cli.init import files
     compile(files(framework)["conformance_adapter.py"], "conformance_adapter.py", "exec")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance.crash import CrashPoint, parse_schedule
-from conformance.process import RunSpec, rank_log, read_job_losses
+from conformance.model.crash import CrashPoint, parse_schedule
+from conformance.model.process import RunSpec, rank_log, read_job_losses
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,7 +97,7 @@ def test_bitflip_reaches_every_tensor_of_a_dcp_shard(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from conformance.corrupt import bitflip
+    from conformance.faults.corrupt import bitflip
     state = {"w": torch.ones(4, dtype=torch.float64), "b": torch.full((3,), 2.0), "n": torch.arange(3)}
     dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
     shard = next((tmp_path / "ck").glob("*.distcp"))

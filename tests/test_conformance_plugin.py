@@ -8,11 +8,11 @@ import textwrap
 
 import pytest
 
-from conformance.adapters import resolve
-from conformance.crash import parse_schedule
-from conformance.process import RunSpec
-from conformance.runners import SubprocessRunner, WarmRunner, traced_run
-from conformance.scenario import run_schedule
+from conformance.faults.scenario import run_schedule
+from conformance.model.adapters import resolve
+from conformance.model.crash import parse_schedule
+from conformance.model.process import RunSpec
+from conformance.run.runners import SubprocessRunner, WarmRunner, traced_run
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance import alignment, recording, strace
-from conformance.process import ProcessResult, RunSpec
+from conformance.model.process import ProcessResult, RunSpec
+from conformance.trace import alignment, recording, strace
 
 TRACE = """\
 100  write(1</dev/pts/0>, "hello\\n", 6) = 6

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conformance import evidence, expected, report
-from conformance.plots import plot_name, plot_resume
+from conformance.checks.plots import plot_name, plot_resume
+from conformance.model import evidence
+from conformance.report import expected, report
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance import alignment, recording, strace
-from conformance.process import ProcessResult, RunSpec
+from conformance.model.process import ProcessResult, RunSpec
+from conformance.trace import alignment, recording, strace
 
 ROOT, LOG = Path("/ck"), Path("/other/loss.jsonl")
 MAIN = 100
@@ -139,8 +139,8 @@ def test_a_commit_the_main_thread_makes_at_the_next_save_step_belongs_to_the_sav
 
 
 def test_a_step_kill_while_a_save_is_in_flight_allows_that_save_too():
-    from conformance.crash import CrashPoint
-    from conformance.scenario import plan
+    from conformance.faults.scenario import plan
+    from conformance.model.crash import CrashPoint
     run = build(in_flight_run())
     assert [run.in_flight_by_step(k) for k in range(1, 10)] == [None, None, 3, 3, 3, 6, 6, 6, None]
     kill = plan(CrashPoint("step", 4), run)            # logging step 5: save 3 commits after it, or before
@@ -149,9 +149,9 @@ def test_a_step_kill_while_a_save_is_in_flight_allows_that_save_too():
 
 
 def test_a_crash_point_named_by_its_save_and_thread_replays_the_same_operation_however_threads_interleave():
-    from conformance.crash import CrashPoint
-    from conformance.saves import name_point
-    from conformance.scenario import plan
+    from conformance.faults.scenario import plan
+    from conformance.model.crash import CrashPoint
+    from conformance.trace.saves import name_point
     retention = f'{MAIN}  unlink("/ck/ckpt-0-old") = 0'
     staged = staged_save(3, 200)
     a = build([log(1), log(2), log(3)] + staged + [retention, log(4)] + commit(3, MAIN) + [log(5), log(6)], total=6)

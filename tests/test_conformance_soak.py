@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conformance import soak
 from conformance.__main__ import build_parser, main
-from conformance.settings import PROFILES, SEEDED_PROFILES
+from conformance.cli import soak
+from conformance.model.settings import PROFILES, SEEDED_PROFILES
 
 REF = "fixtures.reference_trainer:ADAPTER"
 
@@ -104,7 +104,7 @@ def test_the_command_carries_the_trainer_world_size_profile_seed_and_report(tmp_
     cmd = soak.build_command(trainer, profile="ci", seed=12345, world_size="2", workers="auto",
                              report_dir=tmp_path / "r", basetemp=tmp_path / "t", python="PY")
     assert cmd[:8] == ["PY", "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q"]
-    assert ["-p", "conformance.soak"] == cmd[8:10]   # registers ci-random in the pytest process
+    assert ["-p", "conformance.cli.soak"] == cmd[8:10]   # registers ci-random in the pytest process
     assert {"--trainer-cmd=python train.py --small", "--world-size=2", "--hypothesis-profile=ci-random",
             "--hypothesis-seed=12345", f"--conformance-report={tmp_path / 'r'}", f"--basetemp={tmp_path / 't'}"} <= set(cmd)
     assert cmd[-2:] == ["-n", "auto"]
@@ -278,7 +278,7 @@ def test_a_burner_ends_by_itself_when_soak_dies(tmp_path):
     pid_file = tmp_path / "pid"
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        "from conformance.soak import BURNER\n"
+        "from conformance.cli.soak import BURNER\n"
         "import os\n"
         "p = subprocess.Popen([sys.executable, '-S', '-c', BURNER, str(os.getpid())])\n"
         f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"

@@ -7,11 +7,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.adapters import AdapterError, command_adapter, python_adapter, resolve
-from conformance.corrupt import bitflip, delete, plant_malicious_pickle, truncate
-from conformance.crash import CrashPoint, format_schedule, parse_schedule
-from conformance.failures import fail, loss_mismatches, replay_command
-from conformance.process import RunSpec, read_losses
+from conformance.checks.failures import fail, loss_mismatches, replay_command
+from conformance.faults.corrupt import bitflip, delete, plant_malicious_pickle, truncate
+from conformance.model.adapters import AdapterError, command_adapter, python_adapter, resolve
+from conformance.model.crash import CrashPoint, format_schedule, parse_schedule
+from conformance.model.process import RunSpec, read_losses
 
 ranks = st.none() | st.integers(0, 7)
 points = st.builds(CrashPoint, st.sampled_from(["step", "fs"]), st.integers(0, 10_000), ranks) | st.builds(
@@ -166,8 +166,8 @@ def test_replay_command_of_a_multi_rank_trainer_parses_back():
 
 
 def test_an_adapter_may_ask_for_a_longer_run():
-    from conformance.adapters import TrainerAdapter
-    from conformance.settings import TOTAL_STEPS
+    from conformance.model.adapters import TrainerAdapter
+    from conformance.model.settings import TOTAL_STEPS
     plain = TrainerAdapter(name="t", argv=("x",))
     assert plain.total_steps == TOTAL_STEPS
     assert TrainerAdapter(name="t", argv=("x",), capabilities=frozenset({"syscall_crash", "steps=30"})).total_steps == 30

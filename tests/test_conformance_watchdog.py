@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance.process import RunSpec
-from conformance.watchdog import Limits, TaskSample, Watchdog, progressed, syscall_name
+from conformance.model.process import RunSpec
+from conformance.run.watchdog import Limits, TaskSample, Watchdog, progressed, syscall_name
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 
@@ -93,7 +93,7 @@ def test_gloos_transport_loop_ticking_over_is_not_progress_but_moving_data_is():
 
 def test_a_starved_trainer_is_never_declared_stalled(tmp_path, monkeypatch):
     """A machine so busy the trainer gets no CPU at all: it stays R, its counters still."""
-    import conformance.watchdog as wd
+    import conformance.run.watchdog as wd
     monkeypatch.setattr(wd, "process_tree", lambda root: [root])
     monkeypatch.setattr(wd, "sample_tree", lambda pids, skip=frozenset(): _tasks(TaskSample(pids[0], pids[0], "R", 9)))
     watch = Watchdog(Limits(total_s=30, stall_s=0.5), SINGLE, tmp_path / "loss.jsonl", [])

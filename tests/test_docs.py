@@ -76,7 +76,7 @@ def workspace(tmp_path_factory):
     from tests.strategies import trainer_payload
     (d / "path" / "to" / "checkpoints").mkdir(parents=True)
     reference.CheckpointManager(d / "path" / "to" / "checkpoints").save(trainer_payload(step=3), force=True)
-    from conformance import report
+    from conformance.report import report
     report.write_report(report.environment(None, "ci", []), d / "conformance-report")
     (d / "fixtures").symlink_to(REPO / "fixtures")   # documented paths are relative to the repository root
     (d / "conformance-expected-failures.txt").write_text((REPO / "examples" / "conformance-expected-failures.txt").read_text())
@@ -100,7 +100,7 @@ def _parser_of(module: str):
     if module == "reference":
         return importlib.import_module("reference.__main__").parser()
     if module in ("conformance.bench", "reference.bench"):
-        mod = importlib.import_module(f"{module}.cli" if module == "reference.bench" else module)
+        mod = importlib.import_module(f"{module}.cli" if module == "reference.bench" else f"{module}.measure")
         return mod.build_parser()
     raise AssertionError(f"no parser known for python -m {module}")
 

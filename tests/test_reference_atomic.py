@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import reference
-from reference.atomic import is_temp_name, temp_name_for
+from reference.primitives.atomic import is_temp_name, temp_name_for
 
 
 def test_atomic_write_returns_size_and_hash_and_leaves_no_temp(tmp_path):

@@ -1,4 +1,4 @@
-"""Chained checkpoints (reference/chain.py, codec.py): full, incremental and differential saves,
+"""Chained checkpoints (reference/chain/read.py, codec.py): full, incremental and differential saves,
 row deltas, compression, chain verification, retention over chains, async saves, fsck."""
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference
-from reference import chain, chain_write, codec, tree
 from reference.__main__ import main as cli_main
+from reference.chain import codec
+from reference.chain import read as chain
+from reference.chain import write as chain_write
+from reference.primitives import tree
 from tests.strategies import assert_same, payloads, trainer_payload, truncate
 
 STRATEGIES = ["full", "incremental", "differential"]

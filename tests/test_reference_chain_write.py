@@ -1,4 +1,4 @@
-"""How a chained checkpoint's pieces are written (reference/chain_write.py): prepared on worker
+"""How a chained checkpoint's pieces are written (reference/chain/write.py): prepared on worker
 threads ahead of the writes within a bounded window, written in the payload's order, each piece
 once, whatever order the workers finish in."""
 from __future__ import annotations
@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import reference
-from reference import chain, chain_write, codec
-from reference.schema import CURRENT_SCHEMA
+from reference.chain import codec
+from reference.chain import read as chain
+from reference.chain import write as chain_write
+from reference.primitives.schema import CURRENT_SCHEMA
 
 
 def _record_writes(monkeypatch) -> list[str]:

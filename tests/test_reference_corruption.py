@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference
-from reference.single_file import FILE_CHECKSUM_MAGIC
+from reference.layouts.single_file import FILE_CHECKSUM_MAGIC
 from tests.strategies import assert_same, checkpoint_files, copy_checkpoint, flip_bit, trainer_payload, truncate
 
 SETTINGS = settings(max_examples=50, deadline=None,

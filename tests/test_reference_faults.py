@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import reference
-from reference.atomic import is_temp_name
+from reference.primitives.atomic import is_temp_name
 from tests.strategies import trainer_payload
 
 STRACE = shutil.which("strace")

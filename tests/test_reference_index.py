@@ -1,6 +1,6 @@
 """Malformed index.json: always a typed error naming index.json (or the file at fault).
 
-Most cases edit the parsed index and write it back *re-sealed* (reference.index.encode_index
+Most cases edit the parsed index and write it back *re-sealed* (reference.layouts.index.encode_index
 recomputes index_sha256), so what is tested is the structural validation, not the checksum.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import reference
-from reference.index import CHECKSUM_KEY, encode_index
+from reference.layouts.index import CHECKSUM_KEY, encode_index
 from tests.strategies import trainer_payload
 
 
@@ -266,5 +266,5 @@ def test_meta_schema_disagreeing_with_index_schema(ckpt):
 
 
 def test_validate_index_accepts_what_save_sharded_writes(template):
-    index = reference.index.read_index(template)
-    assert reference.index.validate_index(copy.deepcopy(index), template) == index
+    index = reference.layouts.index.read_index(template)
+    assert reference.layouts.index.validate_index(copy.deepcopy(index), template) == index

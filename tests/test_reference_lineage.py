@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import reference
-from reference import lineage, triggers
+from reference import lineage
 from reference.__main__ import main as cli_main
+from reference.loop import triggers
 from tests.strategies import FakeClock, trainer_payload
 
 LAYOUTS = [{"layout": "file"}, {"layout": "sharded"}, {"strategy": "incremental", "full_every": 3}]

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference
-from reference.index import CHECKSUM_KEY, index_checksum
-from reference.integrity import tree_digest
+from reference.layouts.index import CHECKSUM_KEY, index_checksum
+from reference.primitives.integrity import tree_digest
 from tests.strategies import assert_same, payloads, trainer_payload
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

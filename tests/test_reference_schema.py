@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import reference
-from reference.atomic import atomic_write
-from reference.index import encode_index
-from reference.single_file import _write_with_checksum
+from reference.layouts.index import encode_index
+from reference.layouts.single_file import _write_with_checksum
+from reference.primitives.atomic import atomic_write
 from tests.strategies import assert_same, trainer_objects, trainer_payload
 
 LEGACY = Path(__file__).resolve().parent.parent / "fixtures" / "legacy"
@@ -94,7 +94,7 @@ def test_fsck_and_manager_accept_v1_samples(tmp_path):
     manager = reference.CheckpointManager(run)
     assert manager.latest().step == 7
     assert manager.load_latest()["counters"]["global_step"] == 7
-    from reference.fsck import scan
+    from reference.cli.fsck import scan
     assert [r[2] for r in scan(run)] == ["valid", "valid"]
 
 

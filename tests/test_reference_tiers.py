@@ -1,4 +1,4 @@
-"""The cold tier (reference/tiers.py, tiering.py) against a real S3 API (moto on loopback) and
+"""The cold tier (reference/cold/store.py, tiering.py) against a real S3 API (moto on loopback) and
 file://: demotion only after a verified upload, node loss, markers, retention over both tiers,
 upload errors, and a kill at every operation on the store."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import reference
-from reference import tiers
-from reference.coldfs import ColdStorageError
+from reference.cold import store as tiers
+from reference.cold.fs import ColdStorageError
 from tests.s3server import moto_s3  # noqa: F401
 from tests.strategies import trainer_payload
 

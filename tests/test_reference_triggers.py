@@ -1,4 +1,4 @@
-"""Save triggers (reference/triggers.py): exact decisions on a fake clock, purity of decide(), min-interval
+"""Save triggers (reference/loop/triggers.py): exact decisions on a fake clock, purity of decide(), min-interval
 and forced saves, typed errors, and a resumed run deciding exactly as an uninterrupted one."""
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.triggers import Decision, TriggerStateError, any_of, every_seconds, every_steps, forced_only, hybrid, on_metric
+from reference.loop.triggers import (
+    Decision,
+    TriggerStateError,
+    any_of,
+    every_seconds,
+    every_steps,
+    forced_only,
+    hybrid,
+    on_metric,
+)
 from tests.strategies import FakeClock
 
 

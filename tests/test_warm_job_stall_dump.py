@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from conformance.adapters import TrainerAdapter
-from conformance.process import RunSpec
-from conformance.runners import Limits, ProcessOverran, WarmRunner
+from conformance.model.adapters import TrainerAdapter
+from conformance.model.process import RunSpec
+from conformance.run.runners import Limits, ProcessOverran, WarmRunner
 
 # Rank 1 logs step 1 and then sleeps for ever; rank 0 waits for it in a barrier.
 STALLS_AFTER_STEP_1 = textwrap.dedent("""\

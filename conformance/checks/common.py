@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import evidence
-from ..crash import Schedule, format_schedule
-from ..plots import plot_name, plot_resume
-from ..process import RunSpec, copy_checkpoint_dir
-from ..recording import RecordedRun
+from ..model import evidence
+from ..model.crash import Schedule, format_schedule
+from ..model.process import RunSpec, copy_checkpoint_dir
+from ..trace.recording import RecordedRun
+from .plots import plot_name, plot_resume
 from .session import Session
 
 

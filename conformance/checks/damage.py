@@ -13,13 +13,13 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import evidence
-from ..corrupt import corrupt
-from ..crash_states import Replayer, save_files
-from ..failures import format_mismatches, loss_mismatches, max_abs_diff
-from ..process import ProcessResult, RunSpec
-from ..recording import Op, RecordedRun
+from ..faults.corrupt import corrupt
+from ..model import evidence
+from ..model.process import ProcessResult, RunSpec
+from ..offline.crash_states import Replayer, save_files
+from ..trace.recording import Op, RecordedRun
 from .common import copy_prefix, plot_mismatch, resumed_from
+from .failures import format_mismatches, loss_mismatches, max_abs_diff
 from .session import Session
 from .states import STATE_WORKERS
 

@@ -2,8 +2,8 @@
 filesystem operations (run-random names aside). Without it no resume can be judged."""
 from __future__ import annotations
 
-from .. import evidence
-from ..process import RunSpec
+from ..model import evidence
+from ..model.process import RunSpec
 from .session import Session
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..failures import loss_mismatches
-from ..forkserver import warm_target
-from ..process import RunSpec
+from ..model.process import RunSpec
+from ..run.forkserver import warm_target
+from .failures import loss_mismatches
 from .session import Session
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .. import evidence
-from ..failures import format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
-from ..process import RunSpec
+from ..model import evidence
+from ..model.process import RunSpec
 from .common import plot_mismatch
+from .failures import format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
 from .session import Session
 
 

@@ -13,18 +13,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .. import evidence, powerloss
-from ..crash_states import (
-    CrashState,
-    distinct,
-    probe_specs,
-    same_directory_note,
-    save_files,
-)
-from ..failures import stderr_tail
-from ..process import ProcessResult, RunSpec
-from ..recording import UnreplayableTrace
+from ..model import evidence
+from ..model.process import ProcessResult, RunSpec
+from ..offline import powerloss
+from ..offline.crash_states import CrashState, distinct, probe_specs, same_directory_note, save_files
+from ..trace.recording import UnreplayableTrace
 from .common import resumed_from
+from .failures import stderr_tail
 from .session import Session
 from .states import MAX_STATE_FAILURES, decide_states, resumed_past
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .. import evidence
-from ..crash import CrashPoint
-from ..failures import format_mismatches, loss_mismatches, stderr_tail
-from ..faults import FaultOutcome, run_fault
-from ..process import RunSpec
-from ..runners import Stop
+from ..faults.injection import FaultOutcome, run_fault
+from ..model import evidence
+from ..model.crash import CrashPoint
+from ..model.process import RunSpec
+from ..run.runners import Stop
 from .common import resumed_from
+from .failures import format_mismatches, loss_mismatches, stderr_tail
 from .session import Session
 
 

@@ -7,18 +7,12 @@ whose RNG or data position was not restored is named even when rank 0 is fine.
 """
 from __future__ import annotations
 
-from .. import evidence, strace
-from ..crash import CrashPoint
-from ..failures import (
-    describe_ranks,
-    format_mismatches,
-    loss_mismatches,
-    max_abs_diff,
-    rank_mismatches,
-    stderr_tail,
-)
-from ..process import RunSpec, rank_log
-from ..runners import Tracing
+from ..model import evidence
+from ..model.crash import CrashPoint
+from ..model.process import RunSpec, rank_log
+from ..run.runners import Tracing
+from ..trace import strace
+from .failures import describe_ranks, format_mismatches, loss_mismatches, max_abs_diff, rank_mismatches, stderr_tail
 from .schedules import describe_crashes, fail_trial, trial
 from .session import Session
 

@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 from hypothesis import strategies as st
 
-from .. import strategies
-from ..corrupt import KINDS
-from ..crash import ColdFault, CrashPoint, Schedule, format_schedule, parse_schedule
-from ..failures import ConformanceFailure, stderr_tail
-from ..process import RunSpec
-from ..runners import ProcessOverran
+from ..faults import strategies
+from ..faults.corrupt import KINDS
+from ..model.crash import ColdFault, CrashPoint, Schedule, format_schedule, parse_schedule
+from ..model.process import RunSpec
+from ..run.runners import ProcessOverran
 from . import damage, determinism, legacy, power, preemption, ranks, schedules, states, storage, tiers, untrusted
+from .failures import ConformanceFailure, stderr_tail
 from .session import Session
 
 

@@ -5,20 +5,13 @@ what they judge; each judge is a pure function of the trial's outcome.
 """
 from __future__ import annotations
 
-from .. import evidence
-from ..crash import Schedule, format_schedule
-from ..failures import (
-    describe_ranks,
-    format_mismatches,
-    loss_mismatches,
-    max_abs_diff,
-    rank_mismatches,
-    stderr_tail,
-)
-from ..process import RunSpec
-from ..scenario import TrialOutcome, run_schedule
+from ..faults.scenario import TrialOutcome, run_schedule
+from ..model import evidence
+from ..model.crash import Schedule, format_schedule
+from ..model.process import RunSpec
 from .common import plot_mismatch, resumed_from
 from .diagnosis import diagnose
+from .failures import describe_ranks, format_mismatches, loss_mismatches, max_abs_diff, rank_mismatches, stderr_tail
 from .session import Session
 
 

@@ -12,16 +12,17 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .. import alignment, evidence
-from ..adapters import TrainerAdapter
-from ..crash import CrashPoint
-from ..failures import ConformanceFailure, fail, format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
-from ..process import RunSpec
-from ..recording import RecordedRun
-from ..runners import Limits, ProcessOverran, Runner, WarmRunner, traced_run
-from ..scenario import CrashNotLanded, CrashPointMissing, run_schedule
-from ..settings import DEFAULT_GRACE_S, DEFAULT_TOL
-from ..strace import strace_problem
+from ..faults.scenario import CrashNotLanded, CrashPointMissing, run_schedule
+from ..model import evidence
+from ..model.adapters import TrainerAdapter
+from ..model.crash import CrashPoint
+from ..model.process import RunSpec
+from ..model.settings import DEFAULT_GRACE_S, DEFAULT_TOL
+from ..run.runners import Limits, ProcessOverran, Runner, WarmRunner, traced_run
+from ..trace import alignment
+from ..trace.recording import RecordedRun
+from ..trace.strace import strace_problem
+from .failures import ConformanceFailure, fail, format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
 
 SCRATCH_MIN_FREE = 2 << 30
 

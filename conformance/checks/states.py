@@ -12,19 +12,12 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import evidence
-from ..crash_states import (
-    CrashState,
-    build_state,
-    crash_states,
-    distinct,
-    probe_specs,
-    same_directory_note,
-)
-from ..failures import stderr_tail
-from ..process import ProcessResult, RunSpec
-from ..recording import UnreplayableTrace
+from ..model import evidence
+from ..model.process import ProcessResult, RunSpec
+from ..offline.crash_states import CrashState, build_state, crash_states, distinct, probe_specs, same_directory_note
+from ..trace.recording import UnreplayableTrace
 from .common import resumed_from
+from .failures import stderr_tail
 from .session import Session
 
 MAX_STATE_FAILURES = 5

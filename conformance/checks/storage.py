@@ -14,13 +14,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from .. import evidence
-from ..crash import CrashPoint
-from ..failures import format_mismatches, loss_mismatches, stderr_tail
-from ..faults import ERRNOS, FaultOutcome, committed_after_failed_sync, run_fault
-from ..process import RunSpec
-from ..scenario import plan
+from ..faults.injection import ERRNOS, FaultOutcome, committed_after_failed_sync, run_fault
+from ..faults.scenario import plan
+from ..model import evidence
+from ..model.crash import CrashPoint
+from ..model.process import RunSpec
 from .common import resumed_from
+from .failures import format_mismatches, loss_mismatches, stderr_tail
 from .session import Session
 
 _NAMES = {"ENOSPC": r"No space left on device|ENOSPC|Errno 28\b|errno 28\b",

@@ -30,13 +30,13 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from .. import evidence
-from ..coldstore import WHOLE_OBJECT_WRITES, read_log
-from ..crash import ColdFault
-from ..failures import format_mismatches, loss_mismatches, stderr_tail
-from ..process import RunSpec, cold_log, cold_root, copy_checkpoint_dir
-from ..recording import RecordedRun
+from ..model import evidence
+from ..model.crash import ColdFault
+from ..model.process import RunSpec, cold_log, cold_root, copy_checkpoint_dir
+from ..run.coldstore import WHOLE_OBJECT_WRITES, read_log
+from ..trace.recording import RecordedRun
 from .common import resumed_from
+from .failures import format_mismatches, loss_mismatches, stderr_tail
 from .session import Session
 
 

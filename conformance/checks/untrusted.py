@@ -1,9 +1,9 @@
 """untrusted_checkpoint: loading a checkpoint must never run code embedded in it."""
 from __future__ import annotations
 
-from .. import evidence
-from ..corrupt import plant_malicious_pickle
-from ..process import RunSpec
+from ..faults.corrupt import plant_malicious_pickle
+from ..model import evidence
+from ..model.process import RunSpec
 from .common import copy_prefix
 from .session import Session
 

@@ -33,4 +33,10 @@ Peak extra memory of a save is measured in a fresh child process per variant: th
 the state, records its resident set size (RSS), runs the save while a thread samples
 /proc/self/statm every 5 ms, and reports max(sampled peak, ru_maxrss if the save raised it)
 minus the baseline, as a fraction of the state's bytes.
+
+Modules: `cli` (options, priority, the work directory), `run` (the alternating loop), `workload` (the
+state and the raw baselines), `disk` (flushed, idle disks and checked cold reads), `judge` (a ratio
+against its target), `constants` (what is measured and the targets), `memory` (peak extra memory, one
+child per variant), `chains` (chained checkpoints), `tiers` (a demotion beside training), `output`
+(the tables).
 """

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from .. import chain, codec
+from ..chain import codec
+from ..chain import read as chain
 from ..manager import CheckpointManager, load
 from ..state import capture
 from .constants import MAX_INNER_CALLS, MIN_SAMPLE_S, TARGETS

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from conformance.readme import replace_section
+from conformance.report.readme import replace_section
 
 from .constants import _MARKER, MIN_ROUNDS
 from .disk import fs_type

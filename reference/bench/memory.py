@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..sharded import save_sharded
-from ..single_file import save_file
+from ..layouts.sharded import save_sharded
+from ..layouts.single_file import save_file
 from ..state import capture
 from .constants import _SAMPLE_S
 from .disk import _remove

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..sharded import load_sharded, save_sharded
-from ..single_file import save_file
+from ..layouts.sharded import load_sharded, save_sharded
+from ..layouts.single_file import save_file
 from ..state import capture
 from .chains import run_chain_benchmark
 from .constants import MEMORY_VARIANTS, READ_VARIANTS, SAVE_VARIANTS, TARGETS, TIMED_RATIOS, VARIANTS

@@ -1,0 +1,87 @@
+"""The failure messages users read: the check id, what happened, the first differing steps, and
+one command line that replays exactly this case."""
+from __future__ import annotations
+
+import shlex
+
+from ..model.adapters import TrainerAdapter
+from ..model.process import ProcessResult, RunSpec
+
+
+class ConformanceFailure(AssertionError):
+    """A check failed; the message is the report."""
+
+
+def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: float
+                    ) -> list[tuple[int, float | None, float, float]]:
+    """(step, baseline, resumed, |difference|) for every resumed step outside tolerance."""
+    bad = []
+    for step in sorted(resumed):
+        expected = baseline.get(step)
+        if expected is None:
+            bad.append((step, None, resumed[step], float("inf")))
+            continue
+        diff = abs(resumed[step] - expected)
+        if not diff <= tol:  # NaN counts as a mismatch
+            bad.append((step, expected, resumed[step], diff))
+    return bad
+
+
+def rank_mismatches(base: ProcessResult, got: ProcessResult, tol: float) -> list[tuple[int, list]]:
+    """(rank, its mismatch rows) for every rank whose curve leaves its own uninterrupted curve."""
+    out = []
+    for r, curve in enumerate(got.rank_losses):
+        own = base.rank_losses[r] if r < len(base.rank_losses) else {}
+        rows = loss_mismatches(own, curve, tol)
+        if rows:
+            out.append((r, rows))
+    return out
+
+
+def describe_ranks(bad: list[tuple[int, list]], world_size: int) -> str:
+    fine = sorted(set(range(world_size)) - {r for r, _ in bad})
+    lines = [f"  rank {r}: differs at {len(rows)} step(s)\n" + format_mismatches(rows) for r, rows in bad]
+    if fine:
+        lines.append(f"  rank(s) {', '.join(map(str, fine))}: match their own uninterrupted curve")
+    return "\n".join(lines)
+
+
+def max_abs_diff(baseline: dict[int, float], resumed: dict[int, float]) -> float | None:
+    diffs = [abs(resumed[s] - baseline[s]) for s in resumed if s in baseline]
+    return max(diffs) if diffs else None
+
+
+def format_mismatches(rows, limit: int = 5) -> str:
+    lines = ["    step   baseline          resumed           |diff|"]
+    for step, base, got, diff in rows[:limit]:
+        b = "missing" if base is None else f"{base:.8g}"
+        lines.append(f"    {step:<6} {b:<17} {got:<17.8g} {diff:.3g}")
+    if len(rows) > limit:
+        lines.append(f"    ... {len(rows) - limit} more")
+    return "\n".join(lines)
+
+
+def replay_command(adapter: TrainerAdapter, check: str, spec: RunSpec, case: dict[str, str] | None = None) -> str:
+    """`python -m conformance replay ...` for one case; `case` holds the check's own options."""
+    parts = ["python", "-m", "conformance", "replay", *adapter.replay_args(), f"--check={check}",
+             f"--total-steps={spec.total_steps}", f"--save-every={spec.save_every}", f"--seed={spec.seed}"]
+    parts += [f"--{k.replace('_', '-')}={v}" for k, v in (case or {}).items()]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def fail(check: str, adapter: TrainerAdapter, spec: RunSpec, problem: str, *, details: str = "",
+         case: dict[str, str] | None = None, schedule: str | None = None) -> ConformanceFailure:
+    lines = [f"[{check}] {problem}",
+             f"  trainer:  {adapter.name}",
+             f"  run:      {spec.describe()}"]
+    if schedule is not None:
+        lines.append(f"  schedule: {schedule}")
+    if details:
+        lines.append(details.rstrip())
+    lines.append(f"  replay:   {replay_command(adapter, check, spec, case)}")
+    return ConformanceFailure("\n".join(lines))
+
+
+def stderr_tail(text: str, n: int = 6) -> str:
+    tail = [line for line in text.strip().splitlines() if line.strip()][-n:]
+    return "\n".join("    | " + line for line in tail) if tail else "    | (no stderr)"

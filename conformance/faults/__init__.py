@@ -1,0 +1,3 @@
+"""Planning and landing faults: Hypothesis strategies for crash points (`strategies`), one kill trial
+(`scenario`), delivering a fault exactly where it was planned and proving it landed (`delivery`), storage errors and
+SIGTERM (`injection`), and damage done to a committed checkpoint (`corrupt`)."""

@@ -1,0 +1,190 @@
+"""What the suite runs: a trainer command, or a Python adapter object run in a child process.
+
+Both reduce to one argv; a Python adapter `pkg.mod:attr` runs as
+`python -m conformance.run.child pkg.mod:attr`, so every crash mechanism works on both. Adapter specs
+import the way `python -m` would: with the current directory (and pytest's rootdir) on sys.path,
+and trainer processes get the same directories on PYTHONPATH.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+BUNDLED = "fixtures.reference_trainer:ADAPTER"
+
+# Capabilities an adapter may declare; a check needing one the adapter lacks is skipped naming it.
+# Besides these, `steps=N` asks for runs of N steps (see TrainerAdapter.total_steps).
+KNOWN_CAPABILITIES = frozenset({"cold_tier", "keep_best", "legacy_samples", "preemption_save", "reshard", "resume_from",
+                                "sharded", "syscall_crash"})
+
+
+class AdapterError(ValueError):
+    """The trainer cannot be named or loaded as given: `cause` says what is wrong, `fix` what to do."""
+
+    def __init__(self, cause: str, fix: str):
+        super().__init__(f"{cause}\n  fix: {fix}")
+        self.cause, self.fix = cause, fix
+
+
+@dataclasses.dataclass(frozen=True)
+class LegacySample:
+    """A checkpoint in an old schema: copy `path` into the checkpoint directory (as `name`) and the
+    trainer, started with `seed`, resumes it at `step` + 1 and matches the seed's baseline."""
+
+    path: Path
+    name: str
+    seed: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerAdapter:
+    """A trainer the suite can start as a fresh process following the command contract."""
+
+    name: str
+    argv: tuple[str, ...]
+    capabilities: frozenset[str] = frozenset({"syscall_crash"})
+    legacy_samples: tuple[LegacySample, ...] = ()
+    spec: str = ""          # how to name it again on a command line (for replay)
+    version: str = ""       # the trainer's own version, shown in reports
+    pythonpath: tuple[str, ...] = ()   # directories its processes need on PYTHONPATH
+    world_size: int = 1     # > 1: launched as that many ranks by torchrun (launch.py)
+
+    @property
+    def total_steps(self) -> int:
+        """How many steps the suite's runs train: TOTAL_STEPS, or more when the adapter asks with
+        a capability `steps=N` (a trainer whose retention or full-checkpoint cadence needs a
+        longer run before it deletes anything, so that crash and power-loss states cover its
+        retention pass)."""
+        from .settings import TOTAL_STEPS
+        asked = [c for c in self.capabilities if c.startswith("steps=")]
+        if not asked:
+            return TOTAL_STEPS
+        text = asked[0][len("steps="):]
+        if len(asked) > 1 or not text.isdigit() or int(text) < TOTAL_STEPS:
+            raise ValueError(f"adapter {self.name!r}: capability {', '.join(sorted(asked))} must be one "
+                             f"'steps=N' with N an integer >= {TOTAL_STEPS} (the suite's shortest run)")
+        return int(text)
+
+    def has(self, capability: str) -> bool:
+        if capability == "legacy_samples":
+            return bool(self.legacy_samples)
+        return capability in self.capabilities
+
+    def replay_args(self) -> tuple[str, ...]:
+        """Command-line arguments that name this trainer again (unquoted)."""
+        ranks = (f"--world-size={self.world_size}",) if self.world_size > 1 else ()
+        if self.spec.startswith("cmd:"):
+            return (f"--trainer-cmd={self.spec[4:]}", *ranks)
+        return (f"--adapter={self.spec}", *ranks)
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` with this adapter's import directories first on PYTHONPATH."""
+        if self.pythonpath:
+            rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*self.pythonpath, *rest]))
+        return env
+
+
+def import_dirs(rootdir: str | os.PathLike | None = None) -> tuple[str, ...]:
+    """Where adapter specs are imported from, besides sys.path: the current directory and pytest's
+    rootdir (`python -m` puts the current directory first; plain `pytest` does not)."""
+    dirs = [os.getcwd()] + ([os.fspath(rootdir)] if rootdir else [])
+    return tuple(dict.fromkeys(os.path.realpath(d) for d in dirs))
+
+
+def command_adapter(cmd: str, *, capabilities: frozenset[str] | None = None) -> TrainerAdapter:
+    argv = tuple(shlex.split(cmd))
+    if not argv:
+        raise AdapterError("--trainer-cmd is empty", 'give the command that starts your trainer, e.g. '
+                           '--trainer-cmd="python train.py --small"')
+    exe = argv[0]
+    found = shutil.which(exe) if os.sep not in exe else (exe if os.path.isfile(exe) else None)
+    if found is None:
+        raise AdapterError(f"--trainer-cmd {cmd!r}: {exe!r} is not a program on PATH or a file",
+                           "check the spelling, or give the full path of the interpreter or script")
+    if not os.access(found, os.X_OK):
+        raise AdapterError(f"--trainer-cmd {cmd!r}: {found} is not executable",
+                           f"chmod +x {found}, or start it through its interpreter (python {exe})")
+    return TrainerAdapter(name=Path(argv[-1]).name if len(argv) == 1 else " ".join(argv[-2:]),
+                          argv=argv, capabilities=capabilities or frozenset({"syscall_crash"}),
+                          spec=f"cmd:{cmd}", pythonpath=import_dirs())
+
+
+def load_object(spec: str, search: tuple[str, ...] = ()) -> Any:
+    """Import `pkg.module:attr` (attr may be dotted), with `search` directories on sys.path."""
+    if ":" not in spec or not spec.partition(":")[0] or not spec.partition(":")[2]:
+        raise AdapterError(f"adapter {spec!r} is not 'package.module:attribute'",
+                           "name the module and the object in it, e.g. --adapter=mypkg.train:ADAPTER")
+    for directory in reversed(search):
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+    module_name, attr = spec.split(":", 1)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        where = ", ".join(search) or "sys.path"
+        raise AdapterError(f"adapter {spec!r}: cannot import {module_name!r}: {exc}",
+                           f"run pytest from the directory that holds {module_name.split('.')[0]!r} (searched "
+                           f"{where}), or install that package") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AdapterError(f"adapter {spec!r}: module {module_name!r} has no attribute {part!r}",
+                               f"define {attr} in {module_name}, or fix the name after the colon") from None
+    return obj
+
+
+def python_adapter(spec: str, search: tuple[str, ...] = ()) -> TrainerAdapter:
+    """Resolve `pkg.mod:attr`: a ready TrainerAdapter, or an object with `run(ctx)`."""
+    obj = load_object(spec, search)
+    if isinstance(obj, TrainerAdapter):
+        return dataclasses.replace(obj, spec=obj.spec or spec, pythonpath=obj.pythonpath or search)
+    run = getattr(obj, "run", None)
+    if not callable(run):
+        raise AdapterError(f"adapter {spec!r} is neither a TrainerAdapter nor an object with run(ctx)",
+                           "give it a run(ctx) method (see the README's adapter example)")
+    caps = frozenset(getattr(obj, "capabilities", frozenset({"syscall_crash"})))
+    unknown = {c for c in caps - KNOWN_CAPABILITIES if not c.startswith("steps=")}
+    if unknown:
+        raise AdapterError(f"adapter {spec!r} declares unknown capabilities {sorted(unknown)}",
+                           f"use only {sorted(KNOWN_CAPABILITIES)} (and 'steps=N' for a longer run)")
+    samples = tuple(getattr(obj, "legacy_samples", ()) or ())
+    return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.run.child", spec),
+                          capabilities=caps, legacy_samples=samples, spec=spec,
+                          version=str(getattr(obj, "version", "") or ""), pythonpath=search,
+                          world_size=checked_world_size(getattr(obj, "world_size", 1), f"adapter {spec!r}: world_size"))
+
+
+def checked_world_size(value, what: str) -> int:
+    """A world size as given (an adapter attribute, an option, an ini value), or AdapterError."""
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or str(value).strip() != str(size):
+        raise AdapterError(f"{what} is {value!r}, not a whole number >= 1",
+                           "give the number of ranks the trainer runs as, e.g. --world-size=2 (1: one process)")
+    return size
+
+
+def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.PathLike | None = None,
+            world_size: int | str | None = None) -> TrainerAdapter:
+    """The trainer under test; `world_size` (an option) overrides the adapter's own."""
+    if adapter and trainer_cmd:
+        raise AdapterError("both an adapter and a trainer command are given", "keep one of --adapter and --trainer-cmd")
+    found = command_adapter(trainer_cmd) if trainer_cmd else python_adapter(adapter or BUNDLED, import_dirs(rootdir))
+    if world_size is not None:
+        found = dataclasses.replace(found, world_size=checked_world_size(world_size, "--world-size"))
+    try:
+        _ = found.total_steps     # its steps= capability, checked
+    except ValueError as exc:
+        raise AdapterError(str(exc), "declare one capability like 'steps=30' (or none: 14 steps)") from None
+    return found

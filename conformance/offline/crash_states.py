@@ -1,0 +1,262 @@
+"""Crash states without re-training: the checkpoint directory a kill before each recorded
+operation leaves, rebuilt offline from one recording.
+
+A process kill never loses the page cache, so the state a kill leaves before operation i is
+exactly operations 0..i-1 applied in order. A kill that lands *during* a large write can leave
+part of it (the kernel checks for fatal signals between pages), so every write of more than one
+byte also gets a "torn" variant with its first half applied. Building a state costs
+milliseconds; checks/states.py decides each one with a short resume.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from ..model.process import RunSpec
+from ..trace import strace
+from ..trace.recording import Op, RecordedRun, UnreplayableTrace
+
+
+class Replayer:
+    """Applies recorded operations to an in-memory model of the checkpoint directory."""
+
+    def __init__(self):
+        self.files: dict[str, bytearray] = {}
+        self.dirs: set[str] = {"."}
+        self.symlinks: dict[str, str] = {}
+        self.positions: dict[tuple[int, int, str], int] = {}   # (rank, fd, path) -> offset
+        # path -> the generation of its bytes: a new number whenever they change, carried by a
+        # rename. Two states whose files have the same generations hold the same bytes.
+        self.gens: dict[str, int] = {}
+        self._next_gen = 0
+
+    def _changed(self, path: str) -> None:
+        self._next_gen += 1
+        self.gens[path] = self._next_gen
+
+    def content_key(self) -> str:
+        """A digest of what the state shows inside the checkpoint directory (files by generation,
+        directories, symlinks): equal keys, equal directories. An fsync changes nothing a kill
+        leaves, so the states before and after it share a key."""
+        inside = (sorted((p, self.gens.get(p, 0)) for p in self.files if not p.startswith("/")),
+                  sorted(d for d in self.dirs if not d.startswith("/")), sorted(self.symlinks.items()))
+        return hashlib.blake2b(repr(inside).encode(), digest_size=12).hexdigest()
+
+    def apply(self, op: Op, *, torn: bool = False) -> None:
+        if op.error or not op.effect:
+            return   # an injected failure changed nothing; nor did a mkdir of an existing directory
+        k = op.kind
+        if k == "mkdir":
+            self.dirs.add(op.path)
+        elif k in ("create", "open"):
+            if "O_TRUNC" in op.flags or op.path not in self.files:
+                self.files[op.path] = bytearray()
+                self._changed(op.path)
+            self.positions[(op.rank, op.fd, op.path)] = len(self.files[op.path]) if "O_APPEND" in op.flags else 0
+        elif k == "write":
+            if op.data is None:
+                raise UnreplayableTrace(f"op #{op.index} ({op.describe()}): the recording cut its bytes short "
+                                        f"(writes larger than {strace.MAX_DATA_BYTES} bytes cannot be replayed)")
+            data = op.data[: torn_length(op.data)] if torn else op.data
+            buf = self.files.setdefault(op.path, bytearray())
+            pos = op.offset if op.offset is not None else self.positions.get((op.rank, op.fd, op.path), len(buf))
+            if pos > len(buf):
+                buf.extend(b"\0" * (pos - len(buf)))
+            buf[pos:pos + len(data)] = data
+            self._changed(op.path)
+            if op.offset is None:
+                self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
+        elif k == "copy":   # sendfile/copy_file_range: the source's bytes, at the destination's position
+            source = self.files.get(op.target)
+            if source is None or op.offset is None:
+                raise UnreplayableTrace(f"op #{op.index} ({op.describe()}): the source's bytes are not in the recording")
+            data = bytes(source[op.offset:op.offset + op.length])
+            data = data[: torn_length(data)] if torn else data
+            buf = self.files.setdefault(op.path, bytearray())
+            pos = self.positions.get((op.rank, op.fd, op.path), len(buf))
+            if pos > len(buf):
+                buf.extend(b"\0" * (pos - len(buf)))
+            buf[pos:pos + len(data)] = data
+            self._changed(op.path)
+            self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
+        elif k == "seek":
+            self.positions[(op.rank, op.fd, op.path)] = op.offset
+        elif k == "truncate":
+            buf = self.files.setdefault(op.path, bytearray())
+            del buf[op.offset:]
+            buf.extend(b"\0" * (op.offset - len(buf)))
+            self._changed(op.path)
+        elif k == "rename":
+            self._move(op.path, op.target)
+        elif k == "link":
+            if op.path in self.files:
+                self.files[op.target] = bytearray(self.files[op.path])
+                self.gens[op.target] = self.gens.get(op.path, 0)
+        elif k == "symlink":
+            self.symlinks[op.path] = op.target
+        elif k == "unlink":
+            self.files.pop(op.path, None)
+            self.gens.pop(op.path, None)
+            self.symlinks.pop(op.path, None)
+        elif k == "rmdir":
+            self.dirs.discard(op.path)
+            # unlinkat(AT_REMOVEDIR) only succeeds on an empty directory, so nothing else goes
+
+    def _move(self, src: str, dst: str) -> None:
+        def moved(p: str) -> str | None:
+            if p == src:
+                return dst
+            return dst + p[len(src):] if p.startswith(src + "/") else None
+        for table in (self.files, self.gens, self.symlinks):
+            for p in [p for p in table if moved(p)]:
+                table[moved(p)] = table.pop(p)
+        for p in [p for p in self.dirs if moved(p)]:
+            self.dirs.discard(p)
+            self.dirs.add(moved(p))
+        # os.replace onto an existing directory needs it empty; onto a file it replaces it
+
+    def materialize(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for d in sorted(self.dirs, key=len):
+            if not d.startswith("/"):
+                (directory / d).mkdir(parents=True, exist_ok=True)
+        for p, data in self.files.items():
+            if p.startswith("/"):
+                continue   # a file outside the checkpoint directory (not renamed in yet)
+            target = directory / p
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(bytes(data))
+        for p, t in self.symlinks.items():
+            (directory / p).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(t, directory / p)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrashState:
+    """The directory a kill before `ops[before]` leaves (torn: with half of that write applied)."""
+
+    before: int
+    torn: bool
+    description: str
+    newest_committed: int
+    in_progress: int | None
+    save_complete: bool = False   # the interrupted save's files already hold their final bytes
+    content: str = ""             # Replayer.content_key() of the directory it leaves ("" unknown)
+
+    @property
+    def verdict_key(self) -> tuple:
+        """What its verdict depends on: the directory, and what the judge and the probes are told.
+        States with equal keys are decided once (see distinct)."""
+        return (self.content or self.label, self.newest_committed, self.in_progress, self.save_complete)
+
+    @property
+    def label(self) -> str:
+        return f"{self.before}{'t' if self.torn else ''}"
+
+
+def torn_length(data: bytes) -> int:
+    """How much of a write a kill landing during it leaves in a torn state: the first half."""
+    return max(1, len(data) // 2)
+
+
+def crash_states(run: RecordedRun) -> list[CrashState]:
+    """Every crash state of the recorded run, in order: before each mutation under the checkpoint
+    directory, and during each write of more than one byte."""
+    if run.unreplayable:
+        raise UnreplayableTrace(run.unreplayable)
+    complete = _save_complete_before(run)
+    wanted = set(run.mutations)
+    replayer = Replayer()
+    states = []
+    for op in run.ops:
+        i = op.index
+        if i in wanted:
+            newest, in_progress = run.committed_before(i), run.in_progress(i)
+            where = f"{run.role(i)}: {op.describe()}"
+            key = replayer.content_key()
+            states.append(CrashState(i, False, f"kill before op #{i} ({where})", newest, in_progress, complete[i], key))
+            if op.kind == "write" and op.data is not None and len(op.data) > 1:
+                # Half of a write to a file not yet renamed in shows nothing new.
+                torn = key if op.path.startswith("/") else f"{key}+torn{i}"
+                states.append(CrashState(i, True, f"kill during op #{i} ({where}), only the first "
+                                         f"{torn_length(op.data)} bytes written", newest, in_progress, complete[i],
+                                         torn))
+        replayer.apply(op)
+    return states
+
+
+def distinct(states: list, key=lambda s: s.verdict_key) -> dict:
+    """States grouped by what decides their verdict, in order: the first of each group stands
+    for the others (a state's verdict is a function of its directory and its judging alone)."""
+    groups: dict = {}
+    for state in states:
+        groups.setdefault(key(state), []).append(state)
+    return {group[0]: group[1:] for group in groups.values()}
+
+
+def same_directory_note(alike: list, what: str) -> str:
+    """For a failure message: which other states (`what` names them, e.g. "states") leave the
+    directory the failing one left, and so share its verdict; "" when none do."""
+    if not alike:
+        return ""
+    more = " ..." if len(alike) > 6 else ""
+    return f" ({what} {', '.join(s.label for s in alike[:6])}{more} leave the same directory)"
+
+
+def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
+    """Step s -> the files its save leaves behind (written or renamed in during the save, and
+    present when it ends), with their bytes: what a complete checkpoint of step s is."""
+    ends = {idxs[-1]: s for s, idxs in run.windows().items() if s}
+    written: dict[int, set[str]] = {}
+    finals: dict[int, dict[str, bytes]] = {}
+    replayer = Replayer()
+    for op in run.ops:
+        replayer.apply(op)
+        if op.mutation and op.save:
+            written.setdefault(op.save, set()).update(p for p in (op.path, op.target) if p)
+        if op.index in ends:
+            s = ends[op.index]
+            finals[s] = {p: bytes(b) for p, b in replayer.files.items() if not p.startswith("/")
+                         and any(p == w or p.startswith(w + "/") for w in written.get(s, ()))}
+    return finals
+
+
+def _save_complete_before(run: RecordedRun) -> dict[int, bool]:
+    """Op index -> whether, just before it, every file its save leaves behind already holds its
+    final bytes (later operations of the save only sync or clean up). Decides only which probe
+    runs first; the verdict does not depend on it."""
+    finals = save_files(run)
+    out: dict[int, bool] = {}
+    replayer = Replayer()
+    for op in run.ops:
+        s = op.save
+        final = finals.get(s)
+        out[op.index] = bool(s and final) and all(replayer.files.get(p) == b for p, b in final.items())
+        replayer.apply(op)
+    return out
+
+
+def build_state(run: RecordedRun, state: CrashState, directory: Path) -> None:
+    replayer = Replayer()
+    for op in run.ops[: state.before]:
+        replayer.apply(op)
+    if state.torn:
+        replayer.apply(run.ops[state.before], torn=True)
+    if directory.exists():
+        shutil.rmtree(directory)
+    replayer.materialize(directory)
+
+
+def probe_specs(spec: RunSpec, state: CrashState) -> list[RunSpec]:
+    """Runs that check a state, in order; the next runs only if the trainer exited 0 without
+    training (it resumed past the probe's end). One step past the checkpoint the trainer should
+    resume from: the interrupted save's if its files are already final, else the newest committed
+    one (and then the interrupted save's, if the trainer took that as complete)."""
+    older = spec.but(total_steps=min(spec.total_steps, state.newest_committed + 1))
+    if not state.in_progress or state.in_progress + 1 <= older.total_steps:
+        return [older]
+    newer = spec.but(total_steps=min(spec.total_steps, state.in_progress + 1))
+    return [newer] if state.save_complete else [older, newer]

@@ -1,0 +1,190 @@
+"""Reports: every check's outcome and the evidence behind it, as `report.json` and `summary.md`.
+
+The pytest plugin builds one `Case` per check from what the check recorded (evidence.py) and the
+controller writes the report at the end of the session. `python -m conformance report
+report.json` renders a saved one again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from ..model.evidence import Evidence, Trial
+from ..model.settings import VERSION
+
+REPORT_SCHEMA = "conformance-report/2"
+PROPERTY = "conformance"   # the user_properties key a check's case travels under
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    spec: str
+    version: str
+    capabilities: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class Case:
+    check: str                 # the check id, with its parameter: `corruption_detected[bitflip]`
+    nodeid: str
+    outcome: str               # passed, failed, error, skipped, xfailed, xpassed
+    reason: str = ""           # why skipped or expected to fail
+    duration_s: float = 0.0
+    message: str = ""
+    evidence: list[Evidence] = dataclasses.field(default_factory=list)
+    plots: list[str] = dataclasses.field(default_factory=list)
+    adapter: AdapterInfo | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["evidence"] = [e.to_json() for e in self.evidence]
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Case:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        values["evidence"] = [Evidence.from_json(e) for e in data.get("evidence") or []]
+        adapter = data.get("adapter")
+        values["adapter"] = AdapterInfo(**{**adapter, "capabilities": tuple(adapter.get("capabilities", ()))}) \
+            if isinstance(adapter, dict) else None
+        return cls(**values)
+
+
+@dataclasses.dataclass
+class Report:
+    versions: dict[str, str | None]
+    adapter: AdapterInfo | None
+    hypothesis_profile: str | None
+    platform: str
+    created: str
+    cases: list[Case]
+    header: str = ""            # the session header line: trainer, profile, runner, strace
+    schema: str = REPORT_SCHEMA
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for case in self.cases:
+            counts[case.outcome] = counts.get(case.outcome, 0) + 1
+        return counts
+
+    @property
+    def failed(self) -> list[Case]:
+        return [c for c in self.cases if c.outcome in ("failed", "error")]
+
+    def levels(self):
+        from .levels import assess
+        return assess({c.check: c.outcome for c in self.cases})
+
+    def to_json(self) -> dict[str, Any]:
+        from .levels import highest
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cases"}
+        out["adapter"] = dataclasses.asdict(self.adapter) if self.adapter else None
+        levels = self.levels()
+        top = highest(levels)
+        return {**out, "counts": self.counts, "level": top.level if top else None,
+                "levels": [dataclasses.asdict(s) for s in levels], "cases": [c.to_json() for c in self.cases]}
+
+
+def environment(adapter: AdapterInfo | None, profile: str | None, cases: list[Case], header: str = "") -> Report:
+    versions: dict[str, str | None] = {"suite": VERSION, "python": platform.python_version()}
+    for name in ("torch", "hypothesis", "pytest"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:  # pragma: no cover - reported as missing
+            versions[name] = None
+    return Report(versions, adapter, profile, platform.platform(),
+                  _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                  sorted(cases, key=lambda c: c.check), header)
+
+
+def load_report(path: str | Path) -> Report:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such report file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSON report: {exc}") from None
+    if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{path}: not a conformance report (schema {found!r}, expected {REPORT_SCHEMA!r})")
+    if not isinstance(data.get("cases"), list):
+        raise ValueError(f"{path}: report has no 'cases' list")
+    try:
+        adapter = data.get("adapter")
+        return Report(versions=data.get("versions") or {},
+                      adapter=AdapterInfo(**{**adapter, "capabilities": tuple(adapter.get("capabilities", ()))})
+                      if isinstance(adapter, dict) else None,
+                      hypothesis_profile=data.get("hypothesis_profile"), platform=data.get("platform", ""),
+                      created=data.get("created", ""), header=data.get("header", ""),
+                      cases=[Case.from_json(c) for c in data["cases"]])
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(f"{path}: malformed report: {exc}") from None
+
+
+_ICON = {"passed": "pass", "failed": "**FAIL**", "error": "**ERROR**", "skipped": "skip",
+         "xfailed": "xfail (expected)", "xpassed": "xpass (remove the expected-failure entry)"}
+
+
+def summary_of(case: Case) -> str:
+    """One line of numbers for the table."""
+    if case.outcome in ("skipped", "xfailed") and case.reason:
+        return case.reason.replace("|", "\\|")[:160]
+    trials = [e for e in case.evidence if isinstance(e, Trial)]
+    parts = []
+    if trials:
+        schedules = list(dict.fromkeys(t.schedule for t in trials))
+        parts.append(f"{len(trials)} trial(s), schedules " + ", ".join(schedules[:6])
+                     + (" ..." if len(schedules) > 6 else ""))
+        diffs = [t.max_abs_diff for t in trials if t.max_abs_diff is not None]
+        if diffs:
+            parts.append(f"max |loss diff| {max(diffs):.3g}")
+    parts += [e.summary() for e in case.evidence if not isinstance(e, Trial)]
+    return "; ".join(p for p in parts if p).replace("|", "\\|")[:300]
+
+
+def render_markdown(report: Report) -> str:
+    adapter = report.adapter
+    v = report.versions
+    counts = report.counts
+    verdict = "FAILED" if report.failed else "passed"
+    trainer = (f"Trainer `{adapter.name}` (`{adapter.spec}`" + (f", version {adapter.version}" if adapter.version else "")
+               + ")") if adapter else "Trainer unknown"
+    lines = [f"## Resume conformance: {verdict}",
+             "",
+             f"{trainer} · suite {v.get('suite')} · torch {v.get('torch')} · Python {v.get('python')} · "
+             f"Hypothesis profile `{report.hypothesis_profile or 'default'}`",
+             ""]
+    if report.header:
+        lines += [f"`{report.header}`", ""]
+    from .levels import highest
+    levels = report.levels()
+    top = highest(levels)
+    lines += [f"**Conformance level: {f'{top.level} ({top.meaning})' if top else 'none met'}** · "
+              + " · ".join(f"{s.level} {s.status}" for s in levels), ""]
+    lines += [" · ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no checks ran",
+              "",
+              "| check | outcome | evidence |",
+              "|---|---|---|"]
+    for case in report.cases:
+        lines.append(f"| `{case.check}` | {_ICON.get(case.outcome, case.outcome)} | {summary_of(case)} |")
+    for case in report.failed:
+        lines += ["", f"### `{case.check}`", "", "```", case.message.rstrip(), "```"]
+        for plot in case.plots:
+            lines.append(f"Plot: `{plot}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: Report, directory: Path) -> tuple[Path, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = directory / "report.json", directory / "summary.md"
+    json_path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    md_path.write_text(render_markdown(report))
+    return json_path, md_path

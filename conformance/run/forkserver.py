@@ -1,0 +1,331 @@
+"""Warm trial runner: one process imports torch and the trainer's module once, then forks a fresh
+child per trainer process.
+
+A fresh interpreter spends seconds importing torch before it trains one step; a fork costs
+milliseconds. The parent never runs a tensor op or touches CUDA, so children start with no thread
+pools and no device state. Each child blocks on a pipe until released, so strace can attach to it
+(`strace -p`) before it runs its first instruction of training: syscall-level crash points work
+as on a fresh interpreter, and the suite's tests compare both runners on the same cases.
+
+A multi-rank job is forked the same way: the child becomes a process group of its own and runs
+torchrun's agent (rank.run_job), which forks the ranks from it, warm.
+
+Protocol (JSON lines on the server's stdin/stdout; several children may run at once):
+    -> {"op": "fork", "id": I, "module": M, "argv": [...], "env": {...}, "stderr": PATH[, "then": {...}]
+        [, "job": [torchrun flags]]}
+       ("then": run the module a second time in the same child, with that environment;
+        "job": run it as a torchrun job with those flags)
+    <- {"id": I, "pid": PID}
+    -> {"op": "go", "id": I}        (or {"op": "abort", "id": I}: kill it unreleased)
+    <- {"id": I, "status": RC}      (RC < 0: killed by signal -RC, as subprocess reports it)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import itertools
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from ..model.adapters import TrainerAdapter
+from .child import run_target
+
+# What a server that forks jobs imports besides torch: torchrun's launcher and the collectives.
+JOB_PRELOAD = ["torch.distributed.run", "torch.distributed.launcher.api",
+               "torch.distributed.elastic.multiprocessing", "torch.distributed.checkpoint", "conformance.run.rank"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmTarget:
+    """What a forked child runs: a module (`python -m mod args`) or a script (`python train.py
+    args`), with the interpreter the fork server is started with."""
+
+    interpreter: str
+    kind: str               # "module" or "script"
+    target: str             # module name, or the script's absolute path
+    argv: tuple[str, ...]
+
+
+@functools.cache
+def imports_same_torch(interpreter: str) -> bool:
+    """Whether `interpreter` imports the torch this process would (same files): then its trainer
+    processes can be forked from a warm server run by that interpreter."""
+    if os.path.realpath(interpreter) == os.path.realpath(sys.executable):
+        return True
+    probe = "import importlib.util as u, os; print(os.path.realpath(u.find_spec('torch').origin))"
+    try:
+        theirs = subprocess.run([interpreter, "-c", probe], capture_output=True, text=True, timeout=120).stdout.strip()
+        ours = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return bool(theirs) and theirs == ours
+
+
+def warm_target(adapter: TrainerAdapter) -> tuple[WarmTarget | None, str]:
+    """The target a warm server can fork for this adapter, or None and why not."""
+    argv = list(adapter.argv)
+    exe = shutil.which(argv[0]) if argv else None
+    if not argv or exe is None or not os.path.basename(exe).startswith("python"):
+        return None, "the command does not start a Python interpreter"
+    if not imports_same_torch(exe):
+        return None, f"{argv[0]} does not import the torch this suite runs with"
+    if len(argv) >= 3 and argv[1] == "-m":
+        return WarmTarget(exe, "module", argv[2], tuple(argv[3:])), ""
+    if len(argv) >= 2 and not argv[1].startswith("-") and argv[1].endswith(".py") and os.path.isfile(argv[1]):
+        return WarmTarget(exe, "script", os.path.abspath(argv[1]), tuple(argv[2:])), ""
+    return None, "the command is neither `python -m module ...` nor `python script.py ...`"
+
+
+# -- server side ----------------------------------------------------------------------------------
+def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int,
+           then_env: dict[str, str] | None = None, kind: str = "module", job: list[str] | None = None) -> None:
+    if job is not None:
+        os.setsid()   # the job (agent and ranks) is one process group: stopped with one signal
+    os.read(go_fd, 1)
+    os.close(go_fd)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(err, 2)
+    import warnings
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                            category=RuntimeWarning)
+    if job is not None:
+        os.environ.clear()
+        os.environ.update(env)
+        from .rank import run_job
+        code = run_job(job, module, argv, kind)
+    else:
+        code = run_target(module, argv, env, kind)
+    if code == 0 and then_env is not None:   # a second run in the same process (diagnosis)
+        code = run_target(module, argv, then_env, kind)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def serve(preload: list[str]) -> None:
+    """Single-threaded (forking from a threaded process is unsafe): a select loop over requests on
+    stdin and SIGCHLD (through a wakeup pipe); several children may run at once."""
+    import torch  # noqa: F401  (import only: no tensor op, no CUDA call before forking)
+    # torch imports these lazily in every child otherwise: dynamo on the first optimizer
+    # construction (seconds), the profiler's CUPTI monitor on the first optimizer step and the
+    # serialization helpers on the first torch.save (~10 ms together, per trial process). Import
+    # only; none starts a thread. A module this torch lacks is simply not preloaded.
+    for lazy in ("torch._dynamo", "torch.profiler._cupti_monitor", "torch.utils.serialization"):
+        try:
+            importlib.import_module(lazy)
+        except ModuleNotFoundError:
+            pass
+        except Exception as exc:
+            print(f"forkserver: cannot preload {lazy}: {exc!r}", file=sys.stderr)
+    # Bytecode may be cached for the trainer's module here, so children running it as __main__
+    # skip compiling it; children never write bytecode (it would shift their write counts).
+    sys.dont_write_bytecode = False
+    for module in preload:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a module that cannot be preloaded is simply imported per child
+            print(f"forkserver: cannot preload {module}: {exc!r}", file=sys.stderr)
+    sys.dont_write_bytecode = True
+    import selectors
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    stdin_fd = sys.stdin.fileno()
+    sel.register(stdin_fd, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    running: dict[int, object] = {}     # pid -> request id
+    waiting: dict[object, tuple[int, int]] = {}  # request id -> (pid, write end of its go pipe)
+
+    def send(obj) -> None:
+        os.write(1, (json.dumps(obj) + "\n").encode())
+
+    def handle(req: dict) -> None:
+        rid = req.get("id")
+        if req["op"] == "fork":
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (w, wake_r, wake_w, *(gw for _, gw in waiting.values())):
+                    os.close(fd)
+                _child(req["module"], req["argv"], req["env"], req["stderr"], r, req.get("then"),
+                       req.get("kind", "module"), req.get("job"))
+            os.close(r)
+            running[pid] = rid
+            waiting[rid] = (pid, w)
+            send({"id": rid, "pid": pid})
+        elif req["op"] in ("go", "abort") and rid in waiting:
+            pid, w = waiting.pop(rid)
+            if req["op"] == "go":
+                os.write(w, b"g")
+            else:
+                _kill(pid, group=req.get("group", False))
+            os.close(w)
+
+    def reap() -> None:
+        while running:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            send({"id": running.pop(pid, None), "status": rc})
+
+    buf = b""
+    while True:
+        for key, _ in sel.select():
+            if key.fd == wake_r:
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+                continue
+            data = os.read(stdin_fd, 1 << 16)
+            if not data:   # the client went away: no new work; let running children finish
+                for pid, _ in waiting.values():
+                    _kill(pid)
+                while running:
+                    try:
+                        os.waitpid(-1, 0)
+                    except ChildProcessError:
+                        break
+                    running.popitem()
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line.strip():
+                    handle(json.loads(line))
+        reap()
+
+
+# -- client side ----------------------------------------------------------------------------------
+class ForkServer:
+    """Client of one server process; `run` may be called from several threads at once."""
+
+    def __init__(self, preload: list[str], env: dict[str, str] | None = None, interpreter: str | None = None):
+        env = dict(env if env is not None else os.environ)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        self.proc = subprocess.Popen([interpreter or sys.executable, "-m", "conformance.run.forkserver", *preload],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._send_lock = threading.Lock()
+        self._replies: dict[int, queue.Queue[dict]] = {}
+        self._ids = itertools.count()
+        self._dead = False
+        self._reader = threading.Thread(target=self._read_replies, daemon=True)
+        self._reader.start()
+
+    def _read_replies(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            q = self._replies.get(msg.get("id"))
+            if q is not None:
+                q.put(msg)
+        self._dead = True
+        for q in list(self._replies.values()):
+            q.put({"error": "fork server died"})
+
+    def _send(self, obj) -> None:
+        with self._send_lock:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+
+    @staticmethod
+    def _get(q: queue.Queue[dict], timeout: float | None = None) -> dict:
+        """The next reply for one request; raises queue.Empty after `timeout` seconds."""
+        msg = q.get(timeout=timeout)
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        return msg
+
+    def run(self, module: str, argv: list[str], env: dict[str, str], stderr_path: Path,
+            attach=None, watch=None, poll: float = 0.05, then_env: dict[str, str] | None = None,
+            kind: str = "module", job: list[str] | None = None) -> tuple[int, str | None]:
+        """Fork a child; `attach(pid)` runs before it is released (e.g. starts strace). While it
+        runs, `watch()` is asked every `poll` seconds whether to stop it; returns (exit status,
+        why it was stopped or None). With `job` (torchrun flags) the child is a job: its agent
+        and ranks are stopped together."""
+        rid = next(self._ids)
+        q: queue.Queue[dict] = queue.Queue()
+        self._replies[rid] = q
+        try:
+            if self._dead:   # registered after the reader's last word: no reply will ever come
+                raise RuntimeError("fork server died")
+            self._send({"op": "fork", "id": rid, "module": module, "argv": argv, "env": env,
+                        "stderr": str(stderr_path), "kind": kind,
+                        **({"then": then_env} if then_env is not None else {}),
+                        **({"job": job} if job is not None else {})})
+            pid = self._get(q)["pid"]
+            tracer = None
+            try:
+                tracer = attach(pid) if attach else None
+            except BaseException:
+                self._send({"op": "abort", "id": rid, "group": job is not None})
+                self._get(q)
+                raise
+            self._send({"op": "go", "id": rid})
+            stopped = None
+            while True:
+                try:
+                    status = self._get(q, poll)["status"]
+                    break
+                except queue.Empty:
+                    stopped = stopped or (watch() if watch else None)
+                    if stopped:
+                        _kill(pid, group=job is not None)
+            if job is not None:
+                _kill(pid, group=True)   # no rank outlives its job
+            if tracer is not None:
+                try:
+                    tracer.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    tracer.kill()
+            return status, stopped
+        finally:
+            self._replies.pop(rid, None)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _kill(pid: int, group: bool = False) -> None:
+    """SIGKILL `pid` (with `group`, its process group too: a job's agent and ranks)."""
+    if group:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1:])

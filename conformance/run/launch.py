@@ -1,0 +1,109 @@
+"""Multi-rank jobs, started by torchrun: the one owner of the launcher's command line.
+
+A trainer with world size W > 1 runs as
+
+    torchrun --nnodes=1 --nproc-per-node=W --max-restarts=0 --monitor-interval=0.005 \
+             --rdzv-backend=static --master-addr=127.0.0.1 --master-port=<a free port> <trainer>
+
+one node, one local rendezvous (what `--standalone` gives), on a port chosen per job so that
+`pytest -n auto` never collides; with `--max-restarts=0` a rank that dies makes torchrun's agent
+stop the others (SIGTERM, then SIGKILL) and exit non-zero, as a production job does. Every rank
+gets the suite's CONFORMANCE_* variables; torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.
+
+Two ways to run the same launcher:
+- fresh: the `torchrun` program, with `python -m conformance.run.rank` as the entry point of every
+  rank (`--no-python`): it sends the rank's stderr to its own file and execs the trainer's
+  command, under strace when the suite traces that rank;
+- warm: torchrun's own argument parser and `elastic_launch` (what the `torchrun` program calls),
+  run in a process forked from the suite's warm fork server, with a function entry point and
+  `--start-method=fork`: ranks are forked with torch and the trainer already imported, and
+  strace attaches to a rank before it runs (rank.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+# The agent checks on its ranks this often: how soon a rank's death stops the others.
+MONITOR_INTERVAL_S = 0.005
+# Variables the rank entry point reads (and removes before the trainer runs).
+STRACE_VAR = "CONFORMANCE_RANK_STRACE"      # JSON {rank: strace argv prefix}
+STDERR_VAR = "CONFORMANCE_RANK_STDERR"      # a path with "{rank}" in it
+ANNOUNCE_VAR = "CONFORMANCE_RANK_ANNOUNCE"  # warm: directory where a traced rank announces its pid
+PORT_IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
+
+
+class LaunchError(RuntimeError):
+    """A multi-rank job cannot be launched here as configured; the message says what to fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """How jobs are launched in this session: a fixed rendezvous port (None: a free one per job)."""
+
+    port: int | None = None
+
+
+def torchrun_program() -> str:
+    """The `torchrun` program, or LaunchError naming what is missing."""
+    exe = shutil.which("torchrun")
+    if exe is None:
+        raise LaunchError("torchrun is not on PATH: a multi-rank trainer (world size > 1) is launched with "
+                          "torchrun\n  fix: install torch in this environment (it provides torchrun) or put its "
+                          "bin directory on PATH")
+    return exe
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port(port: int) -> None:
+    """LaunchError if `port` on 127.0.0.1 cannot be bound (in use, or not allowed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            what = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            raise LaunchError(f"rendezvous port {port} on 127.0.0.1 {what}\n  fix: free the port, or leave "
+                              "--rdzv-port unset so that every job gets a free port") from None
+
+
+def torchrun_flags(world_size: int, port: int) -> list[str]:
+    return ["--nnodes=1", f"--nproc-per-node={world_size}", "--max-restarts=0",
+            f"--monitor-interval={MONITOR_INTERVAL_S:g}", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+            f"--master-port={port}"]
+
+
+def fresh_argv(trainer_argv: list[str] | tuple[str, ...], world_size: int, port: int) -> list[str]:
+    """The torchrun command line of a job in fresh interpreters."""
+    return [torchrun_program(), *torchrun_flags(world_size, port), "--no-python", sys.executable, "-m",
+            "conformance.run.rank", *trainer_argv]
+
+
+def rank_env(env: dict[str, str], *, stderr_template: Path, straces: dict[int, list[str]],
+             announce: Path | None = None) -> dict[str, str]:
+    """`env` plus what the rank entry point reads."""
+    env = dict(env)
+    env[STDERR_VAR] = str(stderr_template)
+    env[STRACE_VAR] = json.dumps({str(r): p for r, p in straces.items()})
+    if announce is not None:
+        env[ANNOUNCE_VAR] = str(announce)
+    # torchrun sets this for W > 1 when it is unset (and prints a banner saying so): set it first.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def port_in_use(stderr: str) -> bool:
+    return any(s in stderr for s in PORT_IN_USE)
+
+
+def rank_stderr(template: Path | str, rank: int) -> Path:
+    return Path(str(template).replace("{rank}", str(rank)))

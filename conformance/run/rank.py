@@ -1,0 +1,96 @@
+"""The entry point of every rank of a multi-rank job (see launch.py).
+
+Fresh: torchrun runs `python -m conformance.run.rank <trainer argv>` for each rank; it sends the
+rank's stderr to its own file and execs the trainer, under strace if the suite traces this rank.
+
+Warm: `run_job` runs inside a process forked from the warm fork server: torchrun's own parser and
+`elastic_launch`, with `warm_rank` as a function entry point forked per rank. A traced rank
+announces its pid and waits on a FIFO until the suite's strace has attached (as a warm single
+process waits on its pipe), so the trace starts before the trainer's first instruction.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from . import launch
+from .child import run_target
+
+
+def _setup_rank() -> tuple[int, list[str]]:
+    """Send stderr to this rank's file; return (rank, its strace prefix or [])."""
+    rank = int(os.environ.get("RANK", "0"))
+    template = os.environ.pop(launch.STDERR_VAR, "")
+    straces = json.loads(os.environ.pop(launch.STRACE_VAR, "{}") or "{}")
+    if template:
+        fd = os.open(launch.rank_stderr(template, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+    return rank, list(straces.get(str(rank), []))
+
+
+def main(argv: list[str]) -> None:
+    """Fresh mode: exec the trainer (under strace for a traced rank)."""
+    if not argv:
+        raise SystemExit("usage: python -m conformance.run.rank <trainer command>")
+    _, prefix = _setup_rank()
+    command = prefix + argv
+    os.execvp(command[0], command)
+
+
+def warm_rank(target: str, argv: list[str], kind: str) -> None:
+    """Warm mode, in a rank forked by torchrun's agent: wait for strace if traced, run the trainer,
+    and exit with its status."""
+    # A fresh rank starts with default signal dispositions; a forked one would inherit the agent's
+    # SIGTERM/SIGINT handlers, which only raise an exception when the interpreter next runs: a rank
+    # blocked in a collective after a peer died would then ignore the agent's SIGTERM.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    rank, prefix = _setup_rank()
+    announce = os.environ.pop(launch.ANNOUNCE_VAR, "")
+    if prefix and announce:
+        go = Path(announce) / f"go.rank{rank}"
+        fd = os.open(go, os.O_RDONLY)   # the suite holds the FIFO's write end open: never blocks
+        tmp = Path(announce) / f".rank{rank}.tmp"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, Path(announce) / f"rank{rank}")
+        os.read(fd, 1)                  # released once strace is attached
+        os.close(fd)
+    code = run_target(target, argv, dict(os.environ), kind)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        if code:
+            os._exit(code)
+    # Exit 0 by returning: the agent counts a rank done only once its return value arrived (a rank
+    # that calls os._exit(0) counts as running for ever).
+
+
+def run_job(flags: list[str], target: str, argv: list[str], kind: str) -> int:
+    """Warm mode, in the job's process: what the `torchrun` program does with `flags`, with
+    `warm_rank` as every rank's entry point. Returns torchrun's exit status (0, or 1 when a rank
+    failed)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    args = get_args_parser().parse_args([*flags, "--start-method=fork", "conformance-warm-rank"])
+    config, _, _ = config_from_args(args)
+    try:
+        elastic_launch(config=config, entrypoint=warm_rank)(target, argv, kind)
+    except ChildFailedError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except Exception as exc:   # the agent itself failed (rendezvous, a signal): as torchrun, exit 1
+        print(f"torchrun agent: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,168 @@
+"""How long a trainer process (or job) may run, and what stops it: limits, planned stops, and the
+watchdog that reads the loss logs and traces as they grow, and watches the job's processes in /proc.
+
+"No progress" does not depend on how loaded the machine is: a process that is runnable but waits
+for a CPU is not hung (see `progressed`)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from ..model.process import ProcessResult, RunSpec, rank_log
+from .proctree import TaskSample, process_tree, progressed, sample_tree, syscall_name, where  # noqa: F401  (TaskSample, progressed, syscall_name: re-exported)
+
+
+class ProcessOverran(Exception):
+    """A trainer process broke a time or size limit and was killed; the message says which."""
+
+    def __init__(self, problem: str, result: ProcessResult):
+        super().__init__(problem)
+        self.problem, self.result = problem, result
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """How long one trainer process may run, how long it may go without progress (see
+    `progressed`), and how large its strace output may grow. Derived from the baseline's duration
+    (see checks/session.py). A job never counts as stalled before `job_stall_s`: a rank waiting in
+    a collective for a slow peer is not hung (the suite's trainers set a 120 s collective timeout,
+    and the suite sets none of its own)."""
+
+    total_s: float = 600.0
+    stall_s: float = 120.0
+    job_stall_s: float = 60.0
+    trace_bytes: int = int(os.environ.get("CONFORMANCE_TRACE_CAP", str(4 << 30)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """A planned end for a process, besides its own exit: after it logs a step (it went on
+    training past the point of interest), or a grace period after a SIGTERM reached it (what a
+    scheduler does: SIGTERM, wait, SIGKILL)."""
+
+    after_step: int | None = None
+    grace_s: float | None = None
+
+
+class Watchdog:
+    """Reads the loss logs (and the traces) as they grow and says when a process must be stopped,
+    and why. `planned` is set when the stop was a planned one, not a broken limit. For a job,
+    `on_signal` runs once when a traced rank is seen getting its SIGTERM (to pass it to the whole
+    job, as a scheduler does).
+
+    Once the runner names the launched process (`follow`), the watchdog samples its process tree
+    in /proc every `sample_s`: a logged step or any sign of life there (`progressed`) is progress,
+    and only `stall_s` without either stops it, with where each process was in the message. For a
+    job the launched process is torchrun's agent, which polls its ranks every few milliseconds: its
+    own threads are reported but not counted, its descendants (ranks, their straces) are."""
+
+    def __init__(self, limits: Limits, spec: RunSpec, loss_log: Path, trace_files: list[Path],
+                 stop: Stop | None = None, on_signal=None):
+        self.limits, self.spec, self.trace_files = limits, spec, list(trace_files)
+        self.logs = [loss_log] if not spec.is_job else [rank_log(loss_log, r, spec.world_size) for r in range(spec.world_size)]
+        self.stop = stop or Stop()
+        self.on_signal = on_signal
+        self.start = self.progress_at = time.monotonic()
+        self.offsets = [0] * len(self.logs)
+        self.partials = [b""] * len(self.logs)
+        self.last_step = 0
+        self.planned: str | None = None
+        self.signalled_at: float | None = None
+        self.trace_offsets = [0] * len(self.trace_files)
+        self.stall_s = min(max(limits.stall_s, limits.job_stall_s), limits.total_s) if spec.is_job else limits.stall_s
+        self.sample_s = min(1.0, max(0.05, self.stall_s / 10))
+        self.root: int | None = None
+        self.sampled_at = 0.0
+        self.tasks: dict[int, TaskSample] | None = None
+
+    def follow(self, pid: int) -> None:
+        """Watch the process tree under `pid`, the process the runner just launched; the time
+        limits count from here, not from the start of a fork server that a loaded machine may
+        take many seconds to import torch in."""
+        self.root, self.tasks = pid, None
+        self.start = self.progress_at = time.monotonic()
+
+    def _sample(self, now: float) -> None:
+        if self.root is None or now - self.sampled_at < self.sample_s:
+            return
+        interval, self.sampled_at = now - self.sampled_at, now
+        pids = process_tree(self.root)
+        tasks = sample_tree(pids, skip=frozenset({self.root}) if self.spec.is_job else frozenset())
+        if self.tasks is not None and progressed(self.tasks, tasks, interval):
+            self.progress_at = now
+        self.tasks = tasks
+
+    def _read_steps(self) -> None:
+        for i, log in enumerate(self.logs):
+            try:
+                with open(log, "rb") as f:
+                    f.seek(self.offsets[i])
+                    chunk = f.read()
+            except OSError:
+                continue
+            self.offsets[i] += len(chunk)
+            lines = (self.partials[i] + chunk).split(b"\n")
+            self.partials[i] = lines.pop()
+            for line in lines:
+                try:
+                    step = int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if step > self.last_step or self.last_step == 0:
+                    self.progress_at = time.monotonic()
+                self.last_step = max(self.last_step, step)
+
+    def _signal_seen(self) -> bool:
+        """Whether strace's output shows the SIGTERM delivered (it writes each line as it happens)."""
+        for i, trace_file in enumerate(self.trace_files):
+            if self.signalled_at is not None:
+                break
+            start = max(0, self.trace_offsets[i] - 32)   # a marker may straddle two reads
+            try:
+                with open(trace_file, "rb") as f:
+                    f.seek(start)
+                    chunk = f.read()
+            except OSError:
+                continue
+            self.trace_offsets[i] = start + len(chunk)
+            if b"--- SIGTERM " in chunk:
+                self.signalled_at = time.monotonic()
+                if self.on_signal is not None:
+                    self.on_signal()
+        return self.signalled_at is not None
+
+    def problem(self) -> str | None:
+        self._read_steps()
+        now, total = time.monotonic(), self.spec.total_steps
+        if self.stop.after_step is not None and self.last_step >= self.stop.after_step:
+            self.planned = f"stopped by the suite after it logged step {self.last_step}"
+            return self.planned
+        if self.stop.grace_s is not None and self._signal_seen() and now - self.signalled_at > self.stop.grace_s:
+            self.planned = f"SIGKILLed {self.stop.grace_s:g} s after SIGTERM (still running at the end of the grace period)"
+            return self.planned
+        if self.last_step > total:
+            return f"ran past CONFORMANCE_TOTAL_STEPS (logged step {self.last_step} of {total})"
+        if now - self.start > self.limits.total_s:
+            return (f"did not finish {total} steps in {self.limits.total_s:.0f} s "
+                    f"({f'logged up to step {self.last_step}' if self.last_step else 'logged no step'})")
+        self._sample(now)
+        if now - self.progress_at > self.stall_s:
+            after = f"after step {self.last_step}" if self.last_step else "before logging any step"
+            if self.root is None:
+                return f"made no progress for {self.stall_s:.0f} s {after}"
+            who = "no process under torchrun's agent" if self.spec.is_job else "no process of it"
+            return (f"made no progress for {self.stall_s:.0f} s {after}: no new step, and {who} ran, made a "
+                    f"system call or waited for a CPU; where each process was:\n" + where(process_tree(self.root)))
+        for trace_file in self.trace_files:
+            try:
+                size = trace_file.stat().st_size
+            except OSError:
+                size = 0
+            if size > self.limits.trace_bytes:
+                return f"its strace output grew past {self.limits.trace_bytes} bytes (CONFORMANCE_TRACE_CAP)"
+        return None
+
+

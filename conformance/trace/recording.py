@@ -1,0 +1,213 @@
+"""The model of what one traced run did: the one owner of "which operations, in which save, and
+which saves were committed before operation i".
+
+A `RecordedRun` is built from the syscalls `strace.parse` returns: every filesystem operation under
+the checkpoint directory in order (with its bytes, when the run was recorded with data), files
+written elsewhere and later renamed in, the loss-log writes that mark step boundaries, and the
+files a run opened for reading. Scenarios, crash states, strategies and the checks ask it; none
+of them reads a trace or recomputes these facts.
+
+A save is a logical unit learned from the run (saves.py; in flight across steps too), committed
+before operation i when all of its operations come before i.
+
+A multi-rank job is recorded rank by rank (each rank's own trace, its own steps) and merged into
+one run in the order the operations happened (strace's -ttt entry times, one clock for all
+ranks): a save is then every rank's operations for that step, committed before operation i when
+every rank's part comes before i. Each rank's own run stays available (`rank_view`): kills and
+injections are planned on it, and two runs are aligned rank by rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+from ..model.process import ProcessResult, RunSpec, rank_log
+from . import strace
+from .operations import MUTATIONS, Op, Translator  # noqa: F401  (Op, MUTATIONS: the run's vocabulary, re-exported)
+from .saves import attribute_saves, surely_committed_by
+
+
+class UnreplayableTrace(Exception):
+    """The recorded run did something the offline replayer cannot rebuild exactly (named)."""
+
+
+@dataclasses.dataclass
+class RecordedRun:
+    """One traced, uninterrupted (or killed) trainer process and everything it did."""
+
+    spec: RunSpec
+    result: ProcessResult
+    ckpt_dir: Path
+    ops: tuple[Op, ...]
+    step_logs: dict[int, strace.Syscall]     # step k -> the loss-log write that logged it
+    reads: frozenset[str]                    # files under the checkpoint directory opened for reading
+    preexisting: frozenset[str] = frozenset()  # relative paths present before the run
+    unreplayable: str | None = None          # why crash states cannot be rebuilt from this run
+    ranks: dict[int, RecordedRun] = dataclasses.field(default_factory=dict)   # jobs: each rank's own run
+    # (syscall, nth) two threads reached (any call): a fault by that count hits whichever is first
+    shared_counts: frozenset[tuple[str, int]] = frozenset()
+
+    is_job = property(lambda self: bool(self.ranks), doc="a multi-rank job (its ranks' runs merged)")
+
+    @property
+    def threaded(self) -> bool:
+        """Several threads made the recorded calls (strace counts per thread: faults go by path)."""
+        return len({op.tid for op in self.ops} | {sc.tid for sc in self.step_logs.values()}) > 1
+
+    def rank_view(self, rank: int) -> RecordedRun:
+        """Rank `rank`'s own run (a single process is its own rank 0)."""
+        if not self.ranks:
+            if rank:
+                raise KeyError(f"a single-process run has no rank {rank}")
+            return self
+        return self.ranks[rank]
+
+    def merged_index(self, rank: int, local: int) -> int:
+        """The index in this (merged) run of op `local` of rank `rank`'s own run."""
+        if not self.ranks:
+            return local
+        return self._merged[(rank, local)]
+
+    @functools.cached_property
+    def _merged(self) -> dict[tuple[int, int], int]:
+        return {(op.rank, op.local): op.index for op in self.ops}
+
+    # -- the run's operations and saves -------------------------------------------------------------
+    @property
+    def losses(self) -> dict[int, float]:
+        return self.result.losses
+
+    @functools.cached_property
+    def mutations(self) -> list[int]:
+        """Op indices of the mutations under the checkpoint directory: `fs:i` counts these."""
+        return [op.index for op in self.ops if op.mutation]
+
+    def crash_points(self) -> list[int]:
+        """Positions (into `mutations`) that a syscall-level injection can hit exactly."""
+        return [k for k, i in enumerate(self.mutations) if self.ops[i].targetable]
+
+    @functools.cached_property
+    def _windows(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for i in self.mutations:
+            out.setdefault(self.ops[i].save, []).append(i)
+        return out
+
+    def windows(self) -> dict[int, list[int]]:
+        """Step s -> op indices of the mutations of the save of step s (0: outside any save), in
+        the order they happened."""
+        return self._windows
+
+    def saves(self) -> list[int]:
+        """Steps whose save wrote something, in order."""
+        return sorted(s for s in self.windows() if s)
+
+    def committed_before(self, op_index: int) -> int:
+        """The newest save all of whose operations come before op `op_index` (0: none)."""
+        return max((s for s, idxs in self.windows().items() if s and idxs[-1] < op_index), default=0)
+
+    def committed_by_step(self, step: int) -> int:
+        """The newest save surely finished when step `step` + 1 is about to be logged (0: none)."""
+        return max((s for s, by in self._sure_by.items() if by <= step), default=0)
+
+    def in_flight_by_step(self, step: int) -> int | None:
+        """The save begun by step `step`, not surely committed as `step` + 1 is logged (or None)."""
+        return max((s for s, by in self._sure_by.items() if s <= step < by), default=None)
+
+    @functools.cached_property
+    def _sure_by(self) -> dict[int, int]:
+        return surely_committed_by(self.windows(), self.ops, self.spec.save_every, self.spec.total_steps)
+
+    def in_progress(self, op_index: int) -> int | None:
+        """The save op `op_index` belongs to, or None outside any save."""
+        return self.ops[op_index].save or None
+
+    def thread_ops(self, save: int, lane: int, rank: int = 0) -> list[int]:
+        """Op indices of the mutations of the save of step `save` on its thread `lane` (rank
+        `rank`'s, in a merged job run), in order: what a save point's position counts."""
+        return [i for i in self.windows().get(save, []) if self.ops[i].lane == lane and self.ops[i].rank == rank]
+
+    def position_in_save(self, op_index: int) -> int:
+        """1-based position of op `op_index` among its save's mutations on its thread (its rank's,
+        in a job): the same in every run, however threads interleave."""
+        me = self.ops[op_index]
+        return self.thread_ops(me.save, me.lane, me.rank).index(op_index) + 1
+
+    def role(self, op_index: int) -> str:
+        """What an operation is, independent of run-random names and of how threads interleave:
+        its place in its save, on its thread."""
+        op, s = self.ops[op_index], self.ops[op_index].save
+        where = f"the save of step {s}" if s else "the start of the run"
+        who = f"rank {op.rank}'s " if self.ranks else ""
+        thread = f" (background thread {op.lane})" if op.lane else ""
+        return f"{who}{op.kind} #{self.position_in_save(op_index)} of {where}{thread}"
+
+    def committed_at(self, ts: float) -> int:
+        """The newest save all of whose operations (every rank's) were entered before time `ts`."""
+        return max((s for s, idxs in self.windows().items() if s and self.ops[idxs[-1]].ts < ts), default=0)
+
+    def log_writes_until(self, step: int) -> int:
+        """How many writes to its loss log the process (a rank) makes up to the one that logs
+        `step`: the count a delivery on the loss log names."""
+        return sum(1 for sc in self.step_logs.values() if sc.seq <= self.step_logs[step].seq)
+
+    def killed_op(self) -> Op | None:
+        return next((op for op in self.ops if op.killed), None)
+
+    def signalled_op(self) -> Op | None:
+        """The operation the suite injected a signal (SIGTERM) into, if any."""
+        return next((op for op in self.ops if op.signalled), None)
+
+    def failed_op(self) -> Op | None:
+        """The operation the suite injected an error into, if any."""
+        return next((op for op in self.ops if op.error), None)
+
+
+def from_result(result: ProcessResult, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
+                preexisting: frozenset[str] = frozenset()) -> RecordedRun:
+    """The model of a traced process or job from what it left (its trace texts are dropped from
+    `result` once parsed: a recording's text can be large)."""
+    if not spec.is_job:
+        run = build(strace.parse(result.trace_text), spec, result, ckpt_dir, loss_log, preexisting=preexisting)
+        result.trace_text = ""
+        return run
+    views = {}
+    for r, text in sorted(result.traces.items()):
+        own = dataclasses.replace(result, losses=result.rank_losses[r] if r < len(result.rank_losses) else {},
+                                  rank_losses=(), traces={}, trace_text="")
+        views[r] = build(strace.parse(text), spec, own, ckpt_dir, rank_log(loss_log, r, spec.world_size), preexisting=preexisting,
+                         rank=r)
+    result.traces = {}
+    return merge(views, spec, result, ckpt_dir, preexisting)
+
+
+def merge(views: dict[int, RecordedRun], spec: RunSpec, result: ProcessResult, ckpt_dir: Path,
+          preexisting: frozenset[str]) -> RecordedRun:
+    """One run from the runs of a job's ranks, its operations in the order they were entered."""
+    ops = sorted((op for view in views.values() for op in view.ops), key=lambda op: (op.ts, op.rank, op.local))
+    ops = [dataclasses.replace(op, index=i) for i, op in enumerate(ops)]
+    reads = frozenset().union(*(v.reads for v in views.values())) if views else frozenset()
+    problems = [f"rank {r}: {v.unreplayable}" for r, v in sorted(views.items()) if v.unreplayable]
+    first = views[min(views)] if views else None
+    return RecordedRun(spec, result, Path(ckpt_dir), tuple(ops), first.step_logs if first else {}, reads,
+                       preexisting, "; ".join(problems) or None, ranks=dict(views))
+
+
+def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, ckpt_dir: Path,
+          loss_log: Path, *, preexisting: frozenset[str] = frozenset(), rank: int | None = None) -> RecordedRun:
+    """The model of a run (or of one rank's process, with `rank`) from its parsed trace."""
+    t = Translator(syscalls, str(ckpt_dir), str(loss_log), result.losses, rank).run(syscalls)
+    ops, step_logs, unreplayable = t.ops, t.step_logs, t.unreplayable
+    # Operations elsewhere matter only for files that end up under the root: drop the rest.
+    feeding = {op.path for op in ops if op.kind in ("rename", "link") and op.inside and op.path.startswith("/")}
+    unreplayable += [f"a shared writable mmap of {p} (its writes are not syscalls)" for p in sorted(t.mapped)
+                     if not p.startswith("/") or p in feeding]
+    kept = [op for op in ops if op.inside or op.kind == "log"
+            or any(op.path == f or op.path.startswith(f + "/") for f in feeding)]
+    kept = [dataclasses.replace(op, index=i, local=i if rank is not None else -1) for i, op in enumerate(kept)]
+    logging_tids = {sc.tid for sc in step_logs.values()}
+    main_tid = min(logging_tids) if logging_tids else (syscalls[0].tid if syscalls else 0)
+    kept = attribute_saves(kept, main_tid, spec.save_every)
+    return RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(t.reads), preexisting,
+                       "; ".join(dict.fromkeys(unreplayable)) or None, shared_counts=t.shared_counts())

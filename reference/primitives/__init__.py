@@ -1,0 +1,2 @@
+"""The primitives every layout is built from: write atomically (`atomic`), hash and digest (`integrity`), load
+with weights_only=True (`loading`), schema versions and migrations (`schema`), and a payload as a tree (`tree`)."""
