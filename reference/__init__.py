@@ -13,6 +13,7 @@ from .chain.codec import Compression
 from .chain.read import BrokenChainError
 from .cold.fs import ColdStorageError
 from .cold.store import ColdTierError
+from .config import ManagerConfig
 from .errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -41,7 +42,7 @@ __all__ = [
     "BrokenChainError", "ColdStorageError", "ColdTierError", "NoSuchCheckpointError", "TriggerStateError",
     "any_of", "every_seconds", "every_steps", "forced_only", "hybrid", "on_metric", "CURRENT_SCHEMA", "CURRENT_VERSION",
     "CheckpointError", "Compression", "CheckpointInfo", "CheckpointManager",
-    "CheckpointWriteError", "PreemptionGuard",
+    "CheckpointWriteError", "ManagerConfig", "PreemptionGuard",
     "CheckpointSkippedWarning", "CorruptCheckpointError", "IncompleteCheckpointError",
     "InvalidIndexError", "RNGRestoreError", "ResumableBatchSampler", "SchemaError", "TrainState",
     "UnsafeCheckpointError", "atomic_write", "atomic_write_bytes", "capture", "capture_rng",

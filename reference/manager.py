@@ -35,11 +35,11 @@ from .catalog import (
 )
 from .chain import read as chain
 from .chain import write as chain_write
-from .chain.codec import Compression
 from .cold import demotion as tiering
 from .cold.store import ColdTier
+from .config import ManagerConfig
 from .errors import CheckpointError, write_error
-from .layouts.sharded import GroupBy, save_sharded
+from .layouts.sharded import save_sharded
 from .layouts.single_file import save_file
 from .loop import triggers
 from .primitives import tree
@@ -48,13 +48,6 @@ from .retention import committed, keep_set
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "CheckpointSkippedWarning", "latest_valid", "list_checkpoints",
            "load", "verify"]
-
-
-def _cadence(every_steps: int | None, every_seconds: float | None, clock: Callable[[], float]) -> triggers.Trigger:
-    """every_steps and/or every_seconds, whichever comes first (neither: forced saves only)."""
-    parts = ([triggers.every_steps(every_steps)] if every_steps else []) \
-        + ([triggers.every_seconds(every_seconds, clock=clock)] if every_seconds else [])
-    return parts[0] if len(parts) == 1 else triggers.any_of(*parts)
 
 
 class TriggerChangedWarning(UserWarning):
@@ -72,52 +65,24 @@ class CheckpointManager:
     `full_every`-th checkpoint is full, which bounds the chain a restore reads.
 
     `cold` (any fsspec URL: s3://bucket/prefix, file:///path, ...) adds a cold tier; `keep_hot`
-    checkpoints stay on local disk. `cold_timeout_s` bounds every call to the store."""
+    checkpoints stay on local disk. `cold_timeout_s` bounds every call to the store.
 
-    def __init__(self, directory: str | os.PathLike, *, every_steps: int | None = None,
-                 every_seconds: float | None = None, keep_last: int | None = None,
-                 keep_best: int | None = None, best_mode: str = "min", layout: str | None = None,
-                 num_shards: int = 2, group_by: GroupBy | str | None = None,
-                 max_workers: int | None = None, strategy: str | None = None, full_every: int = 10,
-                 compression: int | Compression | None = None, trigger: triggers.Trigger | None = None,
-                 cold: str | None = None, keep_hot: int = 1, cold_timeout_s: float = 10.0,
-                 storage_options: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.time):
-        if strategy is not None and strategy not in chain.STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(map(repr, chain.STRATEGIES))}")
-        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
-            raise ValueError(f"full_every must be an integer >= 1 (a full checkpoint every K saves), got {full_every!r}")
-        chained = strategy is not None or compression is not None
-        if layout is None:
-            layout = "chain" if chained else "sharded"
-        if layout not in ("sharded", "file", "chain"):
-            raise ValueError(f"layout must be 'sharded', 'file' or 'chain', got {layout!r}")
-        if chained and layout != "chain":
-            raise ValueError(f"strategy and compression need the chained layout, not layout={layout!r}")
-        if isinstance(compression, bool) or not isinstance(compression, (int, Compression, type(None))):
-            raise ValueError(f"compression must be a zstd level (int) or a Compression, got {compression!r}")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last must be >= 1: retention never leaves zero checkpoints")
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        if isinstance(keep_hot, bool) or not isinstance(keep_hot, int) or keep_hot < 1:
-            raise ValueError(f"keep_hot must be an integer >= 1 (checkpoints kept on local disk), got {keep_hot!r}")
-        if trigger is not None and (every_steps is not None or every_seconds is not None):
-            raise ValueError("give either trigger= or every_steps/every_seconds, not both")
+    The options are a `ManagerConfig` (config.py), given as keywords or as one record."""
+
+    def __init__(self, directory: str | os.PathLike, config: ManagerConfig | None = None, *,
+                 clock: Callable[[], float] = time.time, **options: Any):
+        if config is not None and options:
+            raise TypeError(f"give either a ManagerConfig or keyword options, not both (got {sorted(options)})")
+        self.config = config = config if config is not None else ManagerConfig(**options)
         self.run_dir = Path(directory)
-        self.keep_last = keep_last
-        self.keep_best = keep_best
-        self.best_mode = best_mode
-        self.layout = layout
-        self.num_shards = num_shards
-        self.group_by = group_by
-        self.max_workers = max_workers
-        self.compression = Compression(level=compression) if isinstance(compression, int) else compression
-        self.trigger = trigger if trigger is not None else _cadence(every_steps, every_seconds, clock)
+        self.keep_last, self.keep_best, self.best_mode = config.keep_last, config.keep_best, config.best_mode
+        self.layout, self.num_shards, self.group_by = config.layout, config.num_shards, config.group_by
+        self.max_workers, self.compression, self.keep_hot = config.max_workers, config.compression, config.keep_hot
+        self.trigger = config.make_trigger(clock)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # The cold tier is opened (and proven reachable) before anything is written here.
-        self.cold = ColdTier(cold, timeout_s=cold_timeout_s, storage_options=storage_options) if cold else None
-        self.keep_hot = keep_hot
+        self.cold = ColdTier(config.cold, timeout_s=config.cold_timeout_s,
+                             storage_options=config.storage_options) if config.cold else None
         if self.cold is not None:
             tiering.restore_run_records(self.cold, self.run_dir)
         self.branch = lineage.read_head(self.run_dir)
@@ -128,8 +93,8 @@ class CheckpointManager:
         self.run_id: str | None = None
         self._lineage_parent: str | None = None
         # Chained layout: what the next delta is taken against (set by a save or a load).
-        self.chain = chain_write.ChainWriter(self.directory, strategy or "full", full_every, self.compression,
-                                             max_workers)
+        self.chain = chain_write.ChainWriter(self.directory, config.strategy or "full", config.full_every,
+                                             self.compression, self.max_workers)
         self.loaded_meta: dict[str, Any] = {}
         # blocking=False: one background writer, at most one save in flight.
         self._executor: ThreadPoolExecutor | None = None

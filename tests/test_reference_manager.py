@@ -90,6 +90,31 @@ def test_invalid_manager_arguments(tmp_path):
         manager.save(_payload(1), force=True, metric=float("nan"))
 
 
+def test_options_are_one_validated_config_given_as_keywords_or_as_a_record(tmp_path):
+    config = reference.ManagerConfig(every_steps=2, keep_last=1, layout="file")
+    by_record = reference.CheckpointManager(tmp_path / "a", config)
+    by_keywords = reference.CheckpointManager(tmp_path / "b", every_steps=2, keep_last=1, layout="file")
+    assert by_record.config == by_keywords.config == config
+    for manager in (by_record, by_keywords):
+        for step in range(1, 7):
+            manager.save(_payload(step), step=step)
+        assert [(i.step, i.path.name) for i in manager.checkpoints()] == [(6, "step-00000006.pt")]
+    assert reference.ManagerConfig(strategy="incremental").layout == "chain"
+    assert reference.ManagerConfig(compression=3).compression == reference.Compression(level=3)
+    with pytest.raises(TypeError, match="either a ManagerConfig or keyword options"):
+        reference.CheckpointManager(tmp_path / "c", config, keep_last=2)
+    with pytest.raises(TypeError, match="keep_lats"):
+        reference.CheckpointManager(tmp_path / "d", keep_lats=2)
+    for bad, message in (({"full_every": 0}, "full_every must be an integer >= 1"),
+                         ({"strategy": "weekly"}, "unknown strategy 'weekly'"),
+                         ({"compression": 3, "layout": "file"}, "need the chained layout"),
+                         ({"keep_hot": True}, "keep_hot must be an integer >= 1"),
+                         ({"trigger": reference.every_steps(2), "every_steps": 3}, "not both")):
+        with pytest.raises(ValueError, match=message):
+            reference.ManagerConfig(**bad)
+    assert not (tmp_path / "e").exists()
+
+
 # -- ordering and latest() ------------------------------------------------------------------------------
 
 def test_ordering_is_by_step_number_not_by_name(tmp_path):
