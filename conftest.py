@@ -2,8 +2,9 @@
 
 - The imported `conformance`, `reference` and `fixtures` must be this checkout's, not a stale
   installed copy (`pip install -e .` makes them so).
-- Helpers the tests share, as fixtures and a marker (never imported by bare name):
+- Helpers the tests share, as fixtures and markers (never imported by bare name):
   `@pytest.mark.needs_strace` (skips, naming why, where strace cannot trace and inject),
+  `@pytest.mark.needs_extra("compression", ...)` (skips, naming the extra, where its packages are missing),
   `repo_root`, `run_pytest` (pytest in a subprocess) and `run_suite` (the conformance suite the
   way a team runs it, with its verdicts read from JUnit XML).
 
@@ -32,11 +33,34 @@ for _name in ("conformance", "reference", "fixtures"):
             f"copy shadows it. Run `pip install -e {REPO}` (or uninstall the other copy).")
 
 
+# pyproject.toml's optional extras, by the modules each provides (`.[test]` installs them all).
+EXTRAS = {"plots": ("matplotlib",), "safetensors": ("safetensors",), "lightning": ("lightning",),
+          "accelerate": ("accelerate",), "transformers": ("transformers",), "torchdata": ("torchdata",),
+          "compression": ("zstandard",), "cold": ("fsspec", "s3fs"), "s3-test": ("moto",)}
+
+
+def missing_extra(*extras: str) -> str | None:
+    """Why a test needing these extras cannot run here (a skip reason naming the extra), or None."""
+    import importlib.util
+    for extra in extras:
+        absent = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+        if absent:
+            return (f"needs the '{extra}' extra ({', '.join(absent)} not installed): pip install -e '.[{extra}]', "
+                    "or '.[test]' for every test dependency")
+    return None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_strace: skip unless strace can trace and inject signals here")
+    config.addinivalue_line("markers", "needs_extra(*extras): skip, naming the extra, unless its packages are installed")
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark in item.iter_markers("needs_extra"):
+            reason = missing_extra(*mark.args)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
     marked = [item for item in items if item.get_closest_marker("needs_strace")]
     if not marked:
         return
@@ -60,11 +84,14 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture
 def run_pytest(tmp_path):
-    """run_pytest(*args, cwd=tmp_path, timeout=900): pytest in a subprocess, quiet, skips reported."""
-    def run(*args: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """run_pytest(*args, cwd=tmp_path, timeout=900, env=None): pytest in a subprocess, quiet, skips reported;
+    `env` adds variables to this process's environment."""
+    def run(*args: str, cwd: Path | None = None, timeout: float = 900,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
                                "-W", "ignore::DeprecationWarning", f"--basetemp={tmp_path / 'bt'}", *args],
-                              cwd=cwd or tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
+                              cwd=cwd or tmp_path, env={**_env(), **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
     return run
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,13 @@ from .model.adapters import AdapterError, TrainerAdapter, checked_world_size, re
 from .model.settings import DEFAULT_GRACE_S, DEFAULT_TOL
 from .report import expected
 from .report import report as reports
-from .report.usage import describe_setup, multirank_problems, unknown_ini_keys
+from .report.usage import (
+    describe_setup,
+    multirank_problems,
+    profile_problem,
+    trainer_naming_problem,
+    unknown_ini_keys,
+)
 from .run.launch import JobConfig
 from .run.runners import SubprocessRunner, WarmRunner
 
@@ -40,6 +47,7 @@ OPTIONS = {   # name -> (command-line flag, ini key)
     "expected_failures": ("--expected-failures", "conformance_expected_failures"),
 }
 USAGE_PREFIX = "conformance usage error: "
+DEFAULT_REPORT_DIR = "conformance-report"   # relative to the working directory: reports and plots outlive the run
 
 
 def pytest_addoption(parser):
@@ -68,7 +76,7 @@ def pytest_addoption(parser):
                     help="torchrun's rendezvous port for every job (default: a free port per job)")
     group.addoption("--conformance-report", default=None, metavar="DIR",
                     help="write DIR/report.json (every check, its outcome and the numbers behind it), "
-                         "DIR/summary.md (for a pull request) and DIR/plots/*.png")
+                         "DIR/summary.md (for a pull request) and DIR/plots/*.png (default: ./conformance-report)")
     group.addoption("--expected-failures", default=None, metavar="FILE",
                     help="lines '<check id> : <reason>': those checks are expected to fail (strict)")
     group.addoption("--expected-failures-lenient", action="store_true", default=False,
@@ -109,8 +117,7 @@ def conformance_session_for(request, tmp_path_factory):
         if key not in cache:
             resolved = _resolve(config, adapter, trainer_cmd, world_size)
             runner = SubprocessRunner(jobs=jobs) if option(config, "runner") == "fresh" else WarmRunner(jobs=jobs)
-            report_dir = option(config, "report")
-            plot_dir = Path(report_dir).resolve() / "plots" if report_dir else None
+            plot_dir = Path(option(config, "report") or DEFAULT_REPORT_DIR).resolve() / "plots"
             nonlocal s3
             if cold.startswith("s3://") and resolved.has("cold_tier") and s3 is None:
                 from .run.coldstore import LoopbackS3
@@ -199,12 +206,18 @@ class UsageErrors:
             raise pytest.UsageError(text.removeprefix(USAGE_PREFIX).strip())
 
 
+@pytest.hookimpl(tryfirst=True)   # before Hypothesis's own, which loads the profile
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):   # the controller (or a run without xdist): check once
-        problem = unknown_ini_keys(config, {ini for _, ini in OPTIONS.values()})
+        problem = unknown_ini_keys(config, {ini for _, ini in OPTIONS.values()}) \
+            or profile_problem(config.getoption("hypothesis_profile", None))
         if problem:
             raise pytest.UsageError(problem)
         config._conformance_adapter = None
+        named = option(config, "adapter"), option(config, "trainer_cmd")
+        problem = trainer_naming_problem(*named, os.environ if _suite_requested(config) else {})
+        if problem:
+            raise pytest.UsageError(problem)
         if _suite_requested(config):
             try:
                 adapter = _resolve(config, option(config, "adapter"), option(config, "trainer_cmd"))
@@ -329,6 +342,11 @@ def case_from_report(rep) -> reports.Case | None:
     return case
 
 
+def skip_text(reason: str) -> str:
+    """A skip's reason without pytest's "Skipped: " prefix, on one line."""
+    return " ".join(reason.removeprefix("Skipped: ").split())
+
+
 class ReportCollector:
     """Controller-side: gathers every check's case and writes report.json and summary.md."""
 
@@ -347,9 +365,12 @@ class ReportCollector:
         tested = dict.fromkeys(f"{c.adapter.name} ({c.adapter.spec})" for c in self.cases if c.adapter)
         if tested:
             terminalreporter.write_line(f"conformance: tested {', '.join(tested)}")
-        directory = option(self.config, "report")
-        if not directory:
-            return
+        skipped = [c for c in self.cases if c.outcome == "skipped"]
+        if skipped:   # the suite's own skips, with why, without -rs: a skip is a check that did not run
+            terminalreporter.write_line(f"conformance: {len(skipped)} check(s) did not run:")
+            for case in sorted(skipped, key=lambda c: c.check):
+                terminalreporter.write_line(f"  {case.check}: {skip_text(case.reason)}")
+        directory = option(self.config, "report") or DEFAULT_REPORT_DIR
         adapter = next((c.adapter for c in self.cases if c.adapter), None)
         profile = self.config.getoption("hypothesis_profile", None)
         built = reports.environment(adapter, profile, self.cases, _header(self.config))

@@ -83,6 +83,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.needs_extra("cold")
 def test_unreachable_endpoint_fails_fast():
     endpoint = f"http://127.0.0.1:{_closed_port()}"   # nothing listens there: connection refused
     start = time.monotonic()
@@ -94,6 +95,7 @@ def test_unreachable_endpoint_fails_fast():
     assert endpoint in str(err.value) and err.value.url == "s3://bucket/x"
 
 
+@pytest.mark.needs_extra("cold")
 def test_silent_endpoint_fails_fast():
     """A server that accepts connections and never answers: the case that hangs with default settings."""
     with socket.socket() as server:

@@ -95,6 +95,8 @@ def test_broken_trainer_fails_with_the_intended_check(run_suite, trainer):
     message = next(iter(failed.values()))
     assert f"[{check}" in message, message[:2000]
     assert "replay:   python -m conformance replay" in message
+    assert re.search(r"  replay:   python -m conformance replay .*\n  fix:      .+ \(docs/checks\.md#"
+                     + re.escape(check.split("[")[0]) + r"\)", message), message[:3000]
 
 
 def test_cold_tier_over_s3_through_the_suites_loopback_server(run_suite):

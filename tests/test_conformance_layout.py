@@ -163,3 +163,11 @@ def test_a_subpackage_docstring_names_each_of_its_modules(package):
     doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
     missing = [p.stem for p in sorted(package.glob("*.py")) if not p.stem.startswith("_") and f"`{p.stem}`" not in doc]
     assert not missing, f"{package.relative_to(REPO)}/__init__.py's docstring does not say what {missing} own"
+
+
+def test_the_checks_page_is_generated_and_every_check_says_what_to_change():
+    from conformance.checks.fixes import FIXES
+    from conformance.checks.registry import CHECKS, checks_page
+    assert set(FIXES) == {c.id for c in CHECKS}
+    assert (REPO / "docs" / "checks.md").read_text() == checks_page() + "\n", (
+        "docs/checks.md is stale: run `python -m conformance.report.readme`")

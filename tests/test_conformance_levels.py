@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,47 @@ def test_init_writes_the_files_refuses_to_overwrite_and_the_first_run_passes(tmp
 def test_every_framework_template_compiles(framework):
     from conformance.cli.init import files
     compile(files(framework)["conformance_adapter.py"], "conformance_adapter.py", "exec")
+
+
+def _gate_step(workflow: str) -> str:
+    """The shell script of the workflow's "Run the gate" step, with GitHub's expressions filled in
+    as on a pull request."""
+    lines = workflow.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "- name: Run the gate")
+    body_at = next(i for i in range(start, len(lines)) if lines[i].strip() == "run: |") + 1
+    indent = len(lines[body_at]) - len(lines[body_at].lstrip())
+    body = []
+    for line in lines[body_at:]:
+        if line.strip() and len(line) - len(line.lstrip()) < indent:
+            break
+        body.append(line[indent:])
+    return "\n".join(body).replace("${{ github.event_name }}", "pull_request")
+
+
+@pytest.mark.slow
+@pytest.mark.needs_strace
+def test_the_commands_the_generated_files_give_run_as_written(tmp_path):
+    """The gate command in conformance-pytest.toml and the workflow's gate step, run as written in a
+    project that merged the generated settings (the bundled adapter stands in for the team's)."""
+    import os
+    import re
+
+    from conformance.cli.init import GATE, write
+    write(tmp_path, "plain")
+    (tmp_path / "conformance_adapter.py").write_text("from fixtures.python_adapter import ADAPTER  # noqa: F401\n")
+    settings = (tmp_path / "conformance-pytest.toml").read_text()
+    assert f"#     {GATE}\n" in settings
+    (tmp_path / "pyproject.toml").write_text(settings)
+    env = {**os.environ, "PYTEST_ADDOPTS": "--hypothesis-profile=quick -k determinism_precondition"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    gate = subprocess.run(GATE, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert gate.returncode == 0 and "1 passed" in gate.stdout, gate.stdout[-3000:] + gate.stderr[-2000:]
+    assert "conformance_adapter:ADAPTER" in gate.stdout and (tmp_path / "conformance-report" / "report.json").is_file()
+
+    workflow = (tmp_path / ".github/workflows/checkpoint-conformance.yml").read_text()
+    adapter = re.search(r"^  ADAPTER: (\S+)", workflow, re.MULTILINE).group(1)
+    step = subprocess.run(["bash", "-e", "-c", _gate_step(workflow)], cwd=tmp_path, env={**env, "ADAPTER": adapter},
+                          capture_output=True, text=True, timeout=900)
+    assert step.returncode == 0 and "1 passed" in step.stdout, step.stdout[-3000:] + step.stderr[-2000:]
+    assert (tmp_path / "conformance-report" / "junit.xml").is_file()

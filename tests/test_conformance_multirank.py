@@ -50,10 +50,11 @@ def _env(**extra) -> dict:
 
 
 def test_torchrun_missing_is_one_usage_error(tmp_path):
+    # This interpreter itself (a symlink to it elsewhere would leave its venv), with a PATH that has no
+    # torchrun: not the interpreter's bin directory.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
-    proc = subprocess.run([str(bin_dir / "python"), "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "conformance",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "conformance",
                            "--adapter=fixtures.ddp_trainer:ADAPTER", "--collect-only", "-q"],
                           cwd=tmp_path, env=_env(PATH=f"{bin_dir}:/usr/bin:/bin"), capture_output=True, text=True,
                           timeout=300)

@@ -45,6 +45,30 @@ def test_bad_adapter_is_a_usage_error(run_pytest):
     assert "cannot use the trainer: adapter 'no.such.module:X': cannot import 'no.such.module'" in proc.stderr
 
 
+@pytest.mark.parametrize("args, env, message, fix", [
+    (["--adapter="], {}, "--adapter is empty, so the run would test the bundled reference trainer instead of yours",
+     "fix: --adapter=package.module:attribute"),
+    (["--trainer-cmd= "], {}, "--trainer-cmd is empty", "fix: --trainer-cmd=COMMAND"),
+    ([], {"CONFORMANCE_TRAINER_CMD": "python train.py"}, "CONFORMANCE_TRAINER_CMD is set, but the suite takes the "
+     "trainer only from --trainer-cmd or the ini key conformance_trainer_cmd", 'fix: --trainer-cmd="$CONFORMANCE_TRAINER_CMD"'),
+    ([], {"CONFORMANCE_ADAPTER": "pkg.mod:ADAPTER"}, "CONFORMANCE_ADAPTER is set", 'fix: --adapter="$CONFORMANCE_ADAPTER"'),
+    (["--hypothesis-profile=quik"], {}, "--hypothesis-profile='quik' is not a registered Hypothesis profile. The "
+     "suite's profiles: quick (", "fix: --hypothesis-profile=quick"),
+])
+def test_a_trainer_or_profile_named_wrongly_is_one_usage_error_never_a_run_of_the_bundled_trainer(
+        run_pytest, args, env, message, fix):
+    proc = run_pytest("--pyargs", "conformance", *args, "-k", "determinism", env=env)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr and fix in proc.stderr, proc.stderr[-2000:]
+    assert "INTERNALERROR" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_a_trainer_named_by_option_is_run_even_with_the_variable_set(run_pytest):
+    proc = run_pytest("--pyargs", "conformance", "--adapter=fixtures.python_adapter:ADAPTER", "-k", "determinism",
+                      env={"CONFORMANCE_TRAINER_CMD": "python train.py"})
+    assert "1 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("body, message", [
     ('adaptor = "fixtures.python_adapter:ADAPTER"', "sets 'adaptor', which the suite does not read: did you mean 'adapter'?"),
     ('trainer_command = "python train.py"', "sets 'trainer_command', which the suite does not read: did you mean 'trainer_cmd'?"),
@@ -138,3 +162,13 @@ def test_warm_runner_runs_processes_concurrently_with_their_own_results(tmp_path
     finally:
         again.close()
     assert by_spec[(4, 1)] == [repeat.losses]
+
+
+def test_the_closing_lines_list_each_skip_with_why_and_the_report_is_written_by_default(tmp_path, run_pytest):
+    proc = run_pytest("--pyargs", "conformance", "--hypothesis-profile=quick", "-k", "determinism or node_loss",
+                      cwd=tmp_path)
+    lines = proc.stdout.splitlines()
+    assert "conformance: 1 check(s) did not run:" in lines, proc.stdout[-2000:]
+    assert "  node_loss: adapter lacks capability 'cold_tier'" in lines
+    assert (tmp_path / "conformance-report" / "report.json").is_file() and \
+        f"conformance report: {tmp_path / 'conformance-report' / 'report.json'}" in proc.stdout

@@ -61,12 +61,18 @@ def test_a_usage_mistake_is_one_error_before_any_test_runs(run_pytest, args, mes
     assert "  fix: " in out and "Traceback" not in out and "passed" not in out
 
 
-def test_a_misspelt_ini_key_is_a_usage_error(tmp_path, run_pytest):
-    (tmp_path / "pytest.ini").write_text("[pytest]\nconformance_trainer_command = python train.py\n")
-    proc = run_pytest("--pyargs", "conformance")
-    assert proc.returncode == 4
+@pytest.mark.parametrize("name, text", [
+    ("pytest.ini", "[pytest]\nconformance_trainer_command = python train.py\n"),
+    ("setup.cfg", "[tool:pytest]\nconformance_trainer_command = python train.py\n"),
+    ("pyproject.toml", '[tool.pytest.ini_options]\nconformance_trainer_command = "python train.py"\n'),
+])
+def test_a_misspelt_ini_key_is_a_usage_error(tmp_path, run_pytest, name, text):
+    (tmp_path / name).write_text(text)
+    proc = run_pytest("--pyargs", "conformance", "-W", "error::pytest.PytestRemovedIn10Warning")
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "unknown option 'conformance_trainer_command'" in proc.stderr
     assert "did you mean 'conformance_trainer_cmd'?" in proc.stderr
+    assert "inicfg" not in proc.stdout + proc.stderr
 
 
 def test_a_trainer_that_fails_fails_once(run_pytest):

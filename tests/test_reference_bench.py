@@ -50,6 +50,21 @@ def test_a_short_run_reports_every_ratio_with_its_spread_and_says_it_cannot_judg
     assert "| inconclusive |" in markdown and "Chained checkpoints: frozen backbone" in markdown
 
 
+def test_without_zstandard_the_compression_rows_say_so_and_the_rest_are_measured(tmp_path, monkeypatch):
+    from reference.bench import chains
+    monkeypatch.setattr(chains.codec, "zstandard_available", lambda: False)
+    result = run_benchmark(2, 2, tmp_path, memory=False)
+    assert {name: result["ratios"][name] for name in chains.COMPRESSION_ROWS} == dict.fromkeys(
+        chains.COMPRESSION_ROWS, "needs zstandard")
+    assert not set(chains.COMPRESSION_ROWS) & set(result["targets"])
+    assert isinstance(result["ratios"]["chain_restore_vs_full"], float) and "chain_restore_vs_full" in result["targets"]
+    result.update(command="python -m reference.bench --size-mb 2 --repeats 2", priority="unchanged")
+    assert "compress_ratio_bf16          needs zstandard" in format_table(result)
+    markdown = format_markdown(result, result["command"])
+    assert "| `shuffle_gain` | - | - | - | needs zstandard |" in markdown
+    assert "Compression: not measured (needs zstandard" in markdown
+
+
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--size-mb", "0"]])
 def test_bad_options_are_usage_errors(argv, capsys):
     from reference.bench.cli import main

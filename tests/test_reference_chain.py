@@ -62,7 +62,7 @@ def _save_run(run: Path, steps: int, **kw) -> tuple[reference.CheckpointManager,
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("compression", [None, 1])
+@pytest.mark.parametrize("compression", [None, pytest.param(1, marks=pytest.mark.needs_extra("compression"))])
 def test_every_checkpoint_of_a_chain_loads_bit_exact(tmp_path, strategy, compression):
     _, saved = _save_run(tmp_path, 7, strategy=strategy, full_every=3, compression=compression)
     for step, payload in saved.items():
@@ -112,6 +112,7 @@ def test_rows_compare_bits_not_values(tmp_path):
     assert torch.equal(out.view(torch.int32), t.view(torch.int32))
 
 
+@pytest.mark.needs_extra("compression")
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(first=payloads(), second=payloads(), strategy=st.sampled_from(STRATEGIES), level=st.sampled_from([None, 3]))
 def test_arbitrary_payloads_round_trip(tmp_path_factory, first, second, strategy, level):
@@ -194,6 +195,7 @@ def test_a_parent_outside_the_directory_is_rejected(tmp_path, parent):
         reference.load(path)
 
 
+@pytest.mark.needs_extra("compression")
 def test_a_flipped_or_cut_piece_is_caught(tmp_path):
     _save_run(tmp_path, 1, strategy="full", compression=1)
     manifest = chain.read_manifest(tmp_path / chain.manifest_name(1))[0]
@@ -284,6 +286,7 @@ def test_a_kill_at_any_operation_of_a_save_or_retention_leaves_kept_checkpoints_
 
 # -- compression -----------------------------------------------------------------------------------
 
+@pytest.mark.needs_extra("compression")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
                                    torch.bool, torch.complex64, torch.uint8])
 def test_every_dtype_round_trips_compressed_shuffle_or_not(tmp_path, dtype):
@@ -295,6 +298,7 @@ def test_every_dtype_round_trips_compressed_shuffle_or_not(tmp_path, dtype):
     assert_same(reference.load(tmp_path / chain.manifest_name(1))["model"]["t"], t)
 
 
+@pytest.mark.needs_extra("compression")
 def test_compressed_and_plain_checkpoints_load_the_same_way(tmp_path):
     payload = trainer_payload(step=3)
     _manager(tmp_path, strategy="full").save(payload, force=True)
@@ -305,6 +309,7 @@ def test_compressed_and_plain_checkpoints_load_the_same_way(tmp_path):
     assert_same(reference.load(tmp_path / chain.manifest_name(3)), reference.migrate(payload))
 
 
+@pytest.mark.needs_extra("compression")
 def test_shuffling_helps_trained_looking_floats():
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16)

@@ -100,7 +100,6 @@ def test_options_are_one_validated_config_given_as_keywords_or_as_a_record(tmp_p
             manager.save(_payload(step), step=step)
         assert [(i.step, i.path.name) for i in manager.checkpoints()] == [(6, "step-00000006.pt")]
     assert reference.ManagerConfig(strategy="incremental").layout == "chain"
-    assert reference.ManagerConfig(compression=3).compression == reference.Compression(level=3)
     with pytest.raises(TypeError, match="either a ManagerConfig or keyword options"):
         reference.CheckpointManager(tmp_path / "c", config, keep_last=2)
     with pytest.raises(TypeError, match="keep_lats"):

@@ -17,7 +17,9 @@ from reference.cold.fs import ColdStorageError
 from tests.s3server import moto_s3  # noqa: F401
 from tests.strategies import trainer_payload
 
-LAYOUTS = [{"layout": "file"}, {"layout": "sharded"}, {"strategy": "incremental", "full_every": 3, "compression": 1}]
+LAYOUTS = [{"layout": "file"}, {"layout": "sharded"},
+           pytest.param({"strategy": "incremental", "full_every": 3, "compression": 1},
+                        marks=pytest.mark.needs_extra("compression"))]
 LAYOUT_IDS = ["file", "sharded", "chain"]
 
 
@@ -56,11 +58,12 @@ def _cold_steps(url: str, **kw) -> list[int]:
 
 
 @pytest.fixture(params=["file", "s3"])
-def cold(request, tmp_path, moto_s3):  # noqa: F811
-    """(url, storage_options) of an empty cold location on either filesystem."""
+def cold(request, tmp_path):
+    """(url, storage_options) of an empty cold location on either filesystem (s3: moto on loopback)."""
     if request.param == "file":
         return f"file://{tmp_path / 'cold'}", None
-    return moto_s3.url(f"run-{time.monotonic_ns()}"), moto_s3.storage_options
+    s3 = request.getfixturevalue("moto_s3")
+    return s3.url(f"run-{time.monotonic_ns()}"), s3.storage_options
 
 
 @pytest.mark.parametrize("kw", LAYOUTS, ids=LAYOUT_IDS)
@@ -289,6 +292,7 @@ def test_a_kill_at_any_store_operation_leaves_a_loadable_checkpoint(tmp_path, kw
             assert payload is None, at
 
 
+@pytest.mark.needs_extra("cold")
 def test_bad_urls_fail_fast_with_the_url_named(tmp_path):
     with pytest.raises(ColdStorageError, match="unknown storage scheme"):
         reference.CheckpointManager(tmp_path / "a", cold="nosuchscheme://bucket/x")

@@ -91,9 +91,10 @@ def _sweep(session: Session, spec: RunSpec, ref: dict[int, float]) -> dict[int, 
 
 
 def _period(matching: list[int], total: int) -> int | None:
-    """p if the matching resume points are exactly the multiples of p that were tried (p >= 2, at
-    least two of them)."""
-    if len(matching) < 2:
+    """p if the matching resume points are exactly the multiples of p that were tried (p >= 2): the
+    epoch boundaries of an epoch of p steps. One match counts when no second multiple was tried (an
+    epoch longer than half the run has one boundary inside it)."""
+    if not matching:
         return None
     p = matching[0]
     return p if p >= 2 and matching == list(range(p, total - 1, p)) else None
@@ -164,9 +165,10 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
                          "restored from the checkpoint", tuple(evidence))
     if first_differs is True:
         if period is not None:
-            return Diagnosis(f"the data position within an epoch: resumes match only every {period} steps (at "
-                             "epoch boundaries, presumably) and the first resumed step differs, so a mid-epoch "
-                             "resume does not continue with the right batch", tuple(evidence))
+            return Diagnosis(f"the data position within an epoch: resumes match only when stopped at "
+                             f"{_steps(matching)}, every {period} steps (epoch boundaries, presumably), and the first "
+                             "resumed step differs, so a mid-epoch resume does not continue with the right batch",
+                             tuple(evidence))
         if matching:
             return Diagnosis("cannot tell: resumes match at some steps and not others, without a pattern",
                              tuple(evidence))

@@ -19,6 +19,7 @@ from ..model.process import RunSpec
 from ..run.runners import ProcessOverran
 from . import damage, determinism, legacy, power, preemption, ranks, schedules, states, storage, tiers, untrusted
 from .failures import ConformanceFailure, stderr_tail
+from .fixes import FIXES, fix_line
 from .session import Session
 
 
@@ -50,6 +51,14 @@ class Check:
     def decide(self, session: Session, spec: RunSpec, param: str | None = None, case: object = None) -> object:
         """Run the check once; raises ConformanceFailure with the report if it fails."""
         check_id = f"{self.id}[{param}]" if param else self.id
+        try:
+            return self._run(session, check_id, spec, param, case)
+        except ConformanceFailure as exc:     # every failure ends with what to change
+            if "\n  fix:" not in str(exc):
+                exc.args = (f"{exc}\n{fix_line(check_id)}",)
+            raise
+
+    def _run(self, session: Session, check_id: str, spec: RunSpec, param: str | None, case: object) -> object:
         try:
             return self.run(session, check_id, spec, param, case)
         except ProcessOverran as exc:
@@ -237,6 +246,19 @@ def markdown_table() -> str:
             needs.append("deterministic " + ("losses and operations" if c.precondition == "operations" else "losses"))
         rows.append(f"| {ids} | {c.summary} | {', '.join(needs) or '-'} | `{c.decided_in}` |")
     return "\n".join(rows)
+
+
+def checks_page() -> str:
+    """docs/checks.md: every check, what it asserts and what to change when it fails (the `fix:` line
+    of its failures links here)."""
+    out = ["# The checks, and what to change when one fails", "",
+           "Generated from `conformance/checks/registry.py` and `conformance/checks/fixes.py` by",
+           "`python -m conformance.report.readme`. A failure's `fix:` line links to its check's section.", ""]
+    for c in CHECKS:
+        cases = f" Cases: {', '.join(f'`{c.id}[{p}]`' for p in c.params)}." if c.params else ""
+        out += [f"## `{c.id}`", "", f"What it asserts: {c.summary}.{cases}", "", f"Fix: {FIXES[c.id]}.",
+                "", f"Decided in `{c.decided_in}`.", ""]
+    return "\n".join(out)
 
 
 # Conformance levels: a one-line claim for a README or a model card. A level is met when every one

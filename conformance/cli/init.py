@@ -12,9 +12,10 @@ green run before changing anything. Existing files are never overwritten without
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
 
 FRAMEWORKS = ("plain", "lightning", "accelerate", "hf")
@@ -147,12 +148,32 @@ _EXPECTED = """# Expected failures: `<check id> : <reason>`, one per line (exact
 # line is removed. Leave this file empty to gate on every check.
 """
 
-_PYTEST = """# Merge into pyproject.toml, so the CI gate is a bare `pytest -n auto`:
+GATE = "pytest --pyargs conformance -n auto -p no:cacheprovider"
+_PYTEST = f"""# Merge into pyproject.toml. The CI gate is then this command, with no other option:
+#     {GATE}
+# (`--pyargs conformance` names the suite: a bare `pytest` collects only your own tests.)
 [tool.pytest.ini_options]
 conformance_adapter = "conformance_adapter:ADAPTER"
 conformance_expected_failures = "conformance-expected-failures.txt"
 conformance_report = "conformance-report"
 """
+_SUITE_LINE = "  SUITE: "   # the template's line that init fills in
+
+
+def suite_requirement() -> tuple[str, str]:
+    """(requirement, comment) for the workflow's SUITE line. The suite is on no package index, so CI
+    installs it from the git commit this one was installed from, when pip recorded one."""
+    try:
+        info = json.loads(metadata.distribution("resume-conformance").read_text("direct_url.json") or "null")
+    except metadata.PackageNotFoundError:
+        info = None
+    vcs = (info or {}).get("vcs_info")
+    if vcs and vcs.get("commit_id"):
+        return (f"resume-conformance[plots] @ {vcs['vcs']}+{info['url']}@{vcs['commit_id']}",
+                "the commit this suite was installed from")
+    return ("resume-conformance[plots] @ git+https://YOUR-GIT-HOST/resume-conformance@COMMIT",
+            "EDIT: the suite is on no package index: its git URL and the commit you adopted (or a path)")
+
 
 
 class InitError(Exception):
@@ -165,6 +186,9 @@ def files(framework: str) -> dict[str, str]:
         raise InitError(f"unknown framework {framework!r}: one of {', '.join(FRAMEWORKS)}")
     workflow = resources.files("conformance").joinpath("templates/checkpoint-conformance.yml").read_text()
     workflow = workflow.replace("ADAPTER: mypkg.train:ADAPTER", "ADAPTER: conformance_adapter:ADAPTER")
+    requirement, why = suite_requirement()
+    workflow = "\n".join(f'  SUITE: "{requirement}"   # {why}' if line.startswith(_SUITE_LINE) else line
+                          for line in workflow.splitlines()) + "\n"
     return {"conformance_adapter.py": _HEADER.format(framework=framework) + _BODIES[framework],
             ".github/workflows/checkpoint-conformance.yml": workflow,
             "conformance-expected-failures.txt": _EXPECTED,

@@ -105,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         layers = importlib.import_module(package).LAYERS if layered else None
         replace_table(root / page, MODULES_MARKER, module_table(root / package, layers))
         print(f"updated {page}")
+    from ..checks.registry import checks_page
+    (root / "docs" / "checks.md").write_text(checks_page() + "\n")
+    print("updated docs/checks.md")
     return 0
 
 

@@ -73,11 +73,38 @@ def multirank_problems(adapter: TrainerAdapter, port: int | None) -> tuple[str |
     return None, None
 
 
+def ini_keys(inipath) -> set[str]:
+    """The keys of pytest's section in its configuration file (pytest.ini, tox.ini, setup.cfg or
+    pyproject.toml), read from the file itself: pytest lists them only through the deprecated
+    `config.inicfg`."""
+    import configparser
+    from pathlib import Path
+    try:
+        import tomllib
+    except ModuleNotFoundError:      # Python 3.10: pytest.ini, tox.ini and setup.cfg only
+        tomllib = None
+    if not inipath or (tomllib is None and str(inipath).endswith(".toml")):
+        return set()
+    path = Path(inipath)
+    try:
+        if path.suffix == ".toml":
+            tool = tomllib.loads(path.read_text()).get("tool", {}).get("pytest", {})
+            section = tool.get("ini_options", tool)
+            return {str(k) for k in section if not isinstance(section[k], dict)}
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read_string(path.read_text())
+        for name in ("pytest", "tool:pytest"):
+            if parser.has_section(name):
+                return set(parser.options(name))
+    except (OSError, ValueError, configparser.Error):
+        pass
+    return set()
+
+
 def unknown_ini_keys(config, known: set[str]) -> str | None:
     """A usage error for `conformance_*` keys in the pytest configuration that the suite does not
     read (pytest would only warn, and the run would test the bundled trainer instead)."""
-    inicfg = getattr(config, "inicfg", {}) or {}
-    unknown = sorted(k for k in inicfg if str(k).startswith("conformance_") and k not in known)
+    unknown = sorted(k for k in ini_keys(config.inipath) if k.startswith("conformance_") and k not in known)
     if not unknown:
         return None
     key = unknown[0]
@@ -86,3 +113,48 @@ def unknown_ini_keys(config, known: set[str]) -> str | None:
     hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
     return (f"{where}: unknown option {key!r}, which the conformance suite does not read ({hint})\n"
             f"  fix: {'rename it to ' + repr(close[0]) if close else 'remove it'}")
+
+
+# What each of the suite's profiles is for (model/settings.py registers them).
+PROFILE_USES = {"quick": "a few examples per check, for development", "ci": "the gate: 8 examples per check, seeded",
+                "fuzz": "thousands of random schedules, for nightly runs"}
+
+
+def profile_problem(name: str | None) -> str | None:
+    """A usage error for a --hypothesis-profile that is not registered (Hypothesis itself would stop
+    the run with an INTERNALERROR and a traceback)."""
+    from hypothesis import settings
+    from hypothesis.errors import InvalidArgument
+    if not name:
+        return None
+    try:
+        settings.get_profile(name)
+        return None
+    except InvalidArgument:
+        pass
+    close = difflib.get_close_matches(name, list(PROFILE_USES), n=1, cutoff=0.5)
+    listed = "; ".join(f"{p} ({use})" for p, use in PROFILE_USES.items())
+    return (f"--hypothesis-profile={name!r} is not a registered Hypothesis profile. The suite's profiles: {listed}\n"
+            f"  fix: --hypothesis-profile={close[0] if close else 'ci'}")
+
+
+TRAINER_ENV = {"CONFORMANCE_TRAINER_CMD": ("--trainer-cmd", "conformance_trainer_cmd"),
+               "CONFORMANCE_ADAPTER": ("--adapter", "conformance_adapter")}
+
+
+def trainer_naming_problem(adapter: str | None, trainer_cmd: str | None, environ) -> str | None:
+    """A usage error where the run would silently test the bundled reference trainer instead of the one
+    the user meant: an empty --adapter or --trainer-cmd, or the trainer named in an environment variable
+    that the suite does not read."""
+    for flag, value in (("--adapter", adapter), ("--trainer-cmd", trainer_cmd)):
+        if value is not None and not str(value).strip():
+            return (f"{flag} is empty, so the run would test the bundled reference trainer instead of yours\n"
+                    f"  fix: {flag}={'package.module:attribute' if flag == '--adapter' else 'COMMAND'} (or leave "
+                    "the option out to test the bundled trainer on purpose)")
+    if adapter is None and trainer_cmd is None:
+        for variable, (flag, ini) in TRAINER_ENV.items():
+            if environ.get(variable):
+                return (f"{variable} is set, but the suite takes the trainer only from {flag} or the ini key "
+                        f"{ini}; without them this run would test the bundled reference trainer\n"
+                        f"  fix: {flag}=\"${variable}\" (or set {ini} in the pytest configuration)")
+    return None

@@ -57,6 +57,9 @@ def format_markdown(result: dict[str, Any], command: str) -> str:
             "| verdict |", "|---|---:|---:|---:|:---:|"]
     for name, value in result["ratios"].items():
         t = result["targets"].get(name, {"target": "", "verdict": "", "spread": [value, value]})
+        if isinstance(value, str):     # not measured here, e.g. "needs zstandard"
+            out.append(f"| `{name}` | - | - | - | {value} |")
+            continue
         spread = f"{t['spread'][0]}..{t['spread'][1]}" if t["spread"][0] != t["spread"][1] else "(one value)"
         out.append(f"| `{name}` | {value} | {spread} | {t['target']} | {t['verdict']} |")
     chains = result.get("chains") or {}
@@ -72,8 +75,8 @@ def format_markdown(result: dict[str, Any], command: str) -> str:
 
 def chain_notes(c: dict[str, Any]) -> str:
     """What the chained-checkpoint ratios were measured on, in words."""
-    frozen, sparse, comp = c["incremental_bytes_frac_frozen"], c["incremental_bytes_frac_sparse"], c["compression"]
-    levels = sorted({int(k.rsplit("level", 1)[1]) for k in comp if "_level" in k})
+    frozen, sparse, comp = c["incremental_bytes_frac_frozen"], c["incremental_bytes_frac_sparse"], c.get("compression")
+    levels = sorted({int(k.rsplit("level", 1)[1]) for k in comp if "_level" in k}) if comp else []
     rates = "; ".join(f"{d} level {lv}: shuffled {comp[f'{d}_level{lv}']['shuffled']['ratio']:.3f} at "
                       f"{comp[f'{d}_level{lv}']['shuffled']['mib_per_s']:.0f} MiB/s, plain zstd "
                       f"{comp[f'{d}_level{lv}']['plain']['ratio']:.3f} at "
@@ -86,7 +89,8 @@ def chain_notes(c: dict[str, Any]) -> str:
              f"tensors per parameter (AdamW: s = 2, f = 0.1: 0.25).",
              f"Sparse: {sparse['rows_touched']} of {sparse['rows']} rows touched, {sparse['incremental_bytes']} of "
              f"{sparse['full_bytes']} bytes.",
-             f"Compression of trained weights (zstd, byte planes compressed where they shrink): {rates}."]
+             f"Compression of trained weights (zstd, byte planes compressed where they shrink): {rates}." if comp else
+             "Compression: not measured (needs zstandard: pip install 'resume-conformance[compression]')."]
     for key, what in (("chain_restore_vs_full",
                        "chain of {chain_length}: {chain_restore_s:.3f} s vs full {full_restore_s:.3f} s"),
                       ("compressed_save_vs_plain", "compressed {compressed_save_s:.3f} s ({compressed_mib_per_s:.0f} MiB/s, "

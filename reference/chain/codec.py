@@ -41,6 +41,12 @@ class CompressionUnavailable(ImportError):
     """compression was asked for but the zstandard package is not installed."""
 
 
+def zstandard_available() -> bool:
+    """Whether compression can be used here (the 'compression' extra is installed)."""
+    import importlib.util
+    return importlib.util.find_spec("zstandard") is not None
+
+
 def _zstd():
     try:
         import zstandard

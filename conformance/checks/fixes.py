@@ -1,0 +1,67 @@
+"""What to change when a check fails: one line per check, ending every failure message (`fix:`) and
+rendered, with each check's summary, as docs/checks.md."""
+from __future__ import annotations
+
+DOCS_PAGE = "docs/checks.md"
+
+FIXES = {
+    "determinism_precondition":
+        "make two runs with the same CONFORMANCE_SEED identical: seed every RNG from it (Python, NumPy, torch, "
+        "each CUDA device, the data loader's generator and workers), set torch.use_deterministic_algorithms(True), "
+        "and write checkpoints in the same order with the same names (temp names may be random)",
+    "resume_matches_baseline":
+        "save and restore everything the next step depends on: model parameters and buffers, optimizer, LR "
+        "scheduler, the step, epoch and batch-in-epoch counters, every RNG, and the data position; the likely "
+        "cause above says which",
+    "no_lost_work":
+        "on start, resume from the newest checkpoint that is complete (verify it, do not take the newest name); "
+        "write a new checkpoint beside the old ones and delete old ones only after the new one is committed",
+    "no_torn_state":
+        "write each file to a unique temp name in the same directory, fsync it, os.replace it into place, fsync "
+        "the directory; for several files, commit them with an index or marker written last",
+    "crash_states":
+        "make the commit point (a rename, or an index or marker written last) the only step that makes a "
+        "checkpoint visible, and have the loader skip what is not committed",
+    "power_loss":
+        "fsync every file before renaming it into place, fsync the directory after the rename, and never load "
+        "a checkpoint whose files fail their hash: fall back to the previous one",
+    "io_error":
+        "let a failed write, fsync or rename raise (or retry the whole save into a new temp file): never rename "
+        "a file whose fsync failed, and keep the previous checkpoint until the new one is committed",
+    "preemption":
+        "on SIGTERM set a flag, finish or abandon the save in progress, save once at the next step boundary and "
+        "exit non-zero (128+15) within the grace period; never exit 0 before the last step",
+    "rank_resume":
+        "save and restore each rank's own state (its RNGs, its data sampler position) and make every rank "
+        "resume from the same checkpoint (agree on the step, e.g. by a collective)",
+    "all_or_nothing":
+        "commit a multi-rank checkpoint only after every rank finished writing (a barrier, then one marker or "
+        "index written last by one rank), and have every rank load only committed checkpoints",
+    "reshard":
+        "save a world-size independent state (torch.distributed.checkpoint plans and reshards on load) and the "
+        "data position in global samples, not per rank",
+    "corruption_detected":
+        "store a hash or size of every file of a checkpoint and check it before loading; on a mismatch fall back "
+        "to an older checkpoint or exit non-zero naming the file",
+    "untrusted_checkpoint":
+        "load with torch.load(..., weights_only=True) (or safetensors), never with pickle or weights_only=False; "
+        "keep non-tensor state in JSON",
+    "node_loss":
+        "upload a checkpoint to the cold tier completely, verify it, then write its commit marker last; on a start "
+        "with an empty local directory, resume from the newest committed checkpoint in the cold tier",
+    "branch_resume":
+        "resume from CONFORMANCE_RESUME_FROM into a new branch: write the new checkpoints beside the old line, "
+        "never over it, and let retention keep what another branch needs",
+    "demotion_safe":
+        "delete a local checkpoint only after its cold copy is verified (hash compared after the upload) and "
+        "committed by its marker; verify cold copies on load",
+    "schema_migration":
+        "register a migration for every older checkpoint format and run it on load; refuse a newer format "
+        "with an error naming both versions",
+}
+
+
+def fix_line(check_id: str) -> str:
+    """`  fix:      <what to change> (docs/checks.md#<check>)` for `check` or `check[param]`."""
+    name = check_id.partition("[")[0]
+    return f"  fix:      {FIXES[name]} ({DOCS_PAGE}#{name})"
