@@ -86,6 +86,7 @@ def test_demotion_then_node_loss(tmp_path, cold, kw):
     again.close()
 
 
+@pytest.mark.needs_extra("compression")
 def test_each_cold_checkpoint_loads_after_node_loss(tmp_path, cold):
     """Every demoted checkpoint of an incremental chain, alone in the cold tier, loads bit-exact."""
     url, opts = cold
@@ -139,6 +140,7 @@ def test_a_damaged_cold_object_is_detected_and_skipped(tmp_path):
     again.close()
 
 
+@pytest.mark.needs_extra("compression")
 def test_retention_over_both_tiers_keeps_shared_pieces(tmp_path, cold):
     url, opts = cold
     run = tmp_path / "hot"
