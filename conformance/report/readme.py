@@ -16,34 +16,30 @@ class MarkerMissing(ValueError):
     """The page has no line equal to the marker."""
 
 
-def replace_section(page: Path, marker: str, section: str) -> None:
-    """Replace what follows the line `marker`, up to the next heading, with `section`."""
+def _replace_after(page: Path, marker: str, new: list[str], generated_ends) -> None:
+    """Replace the lines after the line `marker` up to where `generated_ends(lines, start, i)` says."""
     page = Path(page)
     lines = page.read_text().splitlines()
     try:
         start = lines.index(marker)
     except ValueError:
-        raise MarkerMissing(f"{page}: no line {marker!r} to put the generated section after") from None
+        raise MarkerMissing(f"{page}: no line {marker!r} to put the generated text after") from None
     end = start + 1
-    while end < len(lines) and not lines[end].startswith("#"):
+    while end < len(lines) and not generated_ends(lines, start, end):
         end += 1
-    lines[start + 1:end] = ["", *section.splitlines(), ""]
+    lines[start + 1:end] = new
     page.write_text("\n".join(lines) + "\n")
+
+
+def replace_section(page: Path, marker: str, section: str) -> None:
+    """Replace what follows the line `marker`, up to the next heading, with `section`."""
+    _replace_after(page, marker, ["", *section.splitlines(), ""], lambda lines, _, i: lines[i].startswith("#"))
 
 
 def replace_table(page: Path, marker: str, table: str) -> None:
     """Replace the table that follows the line `marker` (the prose after it stays) with `table`."""
-    page = Path(page)
-    lines = page.read_text().splitlines()
-    try:
-        start = lines.index(marker)
-    except ValueError:
-        raise MarkerMissing(f"{page}: no line {marker!r} to put the generated table after") from None
-    end = start + 1
-    while end < len(lines) and (lines[end].startswith("|") or (not lines[end].strip() and end == start + 1)):
-        end += 1
-    lines[start + 1:end] = ["", *table.splitlines()]
-    page.write_text("\n".join(lines) + "\n")
+    _replace_after(page, marker, ["", *table.splitlines()],
+                   lambda lines, start, i: not (lines[i].startswith("|") or (not lines[i].strip() and i == start + 1)))
 
 
 def table_after(page: Path, marker: str) -> str:
