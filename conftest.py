@@ -55,7 +55,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "needs_extra(*extras): skip, naming the extra, unless its packages are installed")
 
 
+def _expected_length(item) -> int:
+    """0 for the longest tests (real-library and multi-rank gate runs, minutes each), 1 for other
+    subprocess tests, 2 for the rest: under -n auto the long ones start first, and short ones fill
+    the end, so no worker is left running one long test alone."""
+    if not item.get_closest_marker("slow"):
+        return 2
+    return 0 if any(k in item.nodeid for k in ("test_real_trainers", "ddp", "chain_trainer", "tiered_trainer")) else 1
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_expected_length)    # stable: each group keeps its collection order
     for item in items:
         for mark in item.iter_markers("needs_extra"):
             reason = missing_extra(*mark.args)
