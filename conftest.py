@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -33,17 +34,23 @@ for _name in ("conformance", "reference", "fixtures"):
             f"copy shadows it. Run `pip install -e {REPO}` (or uninstall the other copy).")
 
 
-# pyproject.toml's optional extras, by the modules each provides (`.[test]` installs them all).
-EXTRAS = {"plots": ("matplotlib",), "safetensors": ("safetensors",), "lightning": ("lightning",),
-          "accelerate": ("accelerate",), "transformers": ("transformers",), "torchdata": ("torchdata",),
-          "compression": ("zstandard",), "cold": ("fsspec", "s3fs"), "s3-test": ("moto",)}
+def _extras() -> dict[str, tuple[str, ...]]:
+    """pyproject.toml's optional extras, each with the packages it installs (not this project itself,
+    which `test` names to gather the others)."""
+    import tomllib
+    table = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {extra: [re.match(r"[A-Za-z0-9_.-]+", req).group(0) for req in reqs] for extra, reqs in table.items()}
+    return {extra: tuple(n for n in packages if n != "resume-conformance") for extra, packages in names.items()}
+
+
+EXTRAS = _extras()
 
 
 def missing_extra(*extras: str) -> str | None:
     """Why a test needing these extras cannot run here (a skip reason naming the extra), or None."""
     import importlib.util
     for extra in extras:
-        absent = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+        absent = [m for m in EXTRAS[extra] if importlib.util.find_spec(m.replace("-", "_")) is None]
         if absent:
             return (f"needs the '{extra}' extra ({', '.join(absent)} not installed): pip install -e '.[{extra}]', "
                     "or '.[test]' for every test dependency")
@@ -79,6 +86,17 @@ def pytest_collection_modifyitems(config, items):
     if problem:
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=f"strace unusable: {problem}"))
+
+
+@pytest.fixture(scope="session")
+def require_extras():
+    """require_extras(*extras): skip the test (or the fixture) that calls it, naming the first missing
+    extra; for fixtures, which cannot carry the needs_extra marker."""
+    def require(*extras: str) -> None:
+        reason = missing_extra(*extras)
+        if reason:
+            pytest.skip(reason)
+    return require
 
 
 @pytest.fixture(scope="session")

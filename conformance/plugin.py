@@ -214,13 +214,14 @@ def pytest_configure(config):
         if problem:
             raise pytest.UsageError(problem)
         config._conformance_adapter = None
-        named = option(config, "adapter"), option(config, "trainer_cmd")
-        problem = trainer_naming_problem(*named, os.environ if _suite_requested(config) else {})
+        named = {name: option(config, name) for name in ("adapter", "trainer_cmd")}
+        requested = _suite_requested(config)
+        problem = trainer_naming_problem(named, OPTIONS, os.environ if requested else {})
         if problem:
             raise pytest.UsageError(problem)
-        if _suite_requested(config):
+        if requested:
             try:
-                adapter = _resolve(config, option(config, "adapter"), option(config, "trainer_cmd"))
+                adapter = _resolve(config, named["adapter"], named["trainer_cmd"])
             except AdapterError as exc:
                 raise pytest.UsageError(f"cannot use the trainer: {exc}") from None
             error, warning = multirank_problems(adapter, rdzv_port(config))

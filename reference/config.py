@@ -11,8 +11,7 @@ from .chain.codec import Compression
 from .chain.read import STRATEGIES
 from .layouts.sharded import GroupBy
 from .loop import triggers
-
-LAYOUTS = ("sharded", "file", "chain")
+from .names import LAYOUTS
 
 
 def _positive_int(name: str, value: Any, meaning: str) -> None:

@@ -12,6 +12,7 @@ import re
 CHAIN_SUFFIX = ".chain.json"
 FILE_SUFFIX = ".pt"
 _SUFFIX_OF = {"sharded": "", "file": FILE_SUFFIX, "chain": CHAIN_SUFFIX}
+LAYOUTS = tuple(_SUFFIX_OF)   # "sharded", "file", "chain"
 _NAME_RE = re.compile(r"^step-(?P<step>[0-9]+)(?P<ext>\.pt|\.chain\.json)?$")
 _STAGING_RE = re.compile(r"^\.staging-step-(?P<step>[0-9]+)$")
 

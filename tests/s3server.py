@@ -117,26 +117,17 @@ def moto_s3_fixture(*, bucket: str | None = None, region: str = "us-east-1", sco
     """A pytest fixture yielding an S3Server; bind it in a test module or conftest under `name`."""
 
     @pytest.fixture(scope=scope, name=name)
-    def _fixture() -> Iterator[S3Server]:
-        _skip_without_s3()
+    def _fixture(require_extras) -> Iterator[S3Server]:
+        require_extras("s3-test", "cold")   # moto, the server; s3fs, the client
         with running_moto_s3(bucket=bucket, region=region) as s3:
             yield s3
 
     return _fixture
 
 
-def _skip_without_s3() -> None:
-    """Skip, naming the extras, where moto (the server) or s3fs (the client) is not installed."""
-    import importlib.util
-    for module, extra in (("moto", "s3-test"), ("s3fs", "cold")):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"needs the '{extra}' extra ({module} not installed): pip install -e '.[{extra}]', "
-                        "or '.[test]' for every test dependency")
-
-
 @pytest.fixture(scope="session")
-def moto_s3() -> Iterator[S3Server]:
+def moto_s3(require_extras) -> Iterator[S3Server]:
     """Session-wide moto S3 on loopback, one fresh bucket in us-east-1; use a unique prefix per test."""
-    _skip_without_s3()
+    require_extras("s3-test", "cold")   # moto, the server; s3fs, the client
     with running_moto_s3() as s3:
         yield s3

@@ -175,7 +175,6 @@ def suite_requirement() -> tuple[str, str]:
             "EDIT: the suite is on no package index: its git URL and the commit you adopted (or a path)")
 
 
-
 class InitError(Exception):
     """Files exist and --force was not given, or the directory cannot be written."""
 

@@ -30,4 +30,10 @@ settings.register_profile("fuzz", max_examples=5000, derandomize=False, database
 # quick and ci draw from a fixed seed (applied by the suite), not from a hash of the test's source:
 # the same trainer gets the same schedules when the suite's code is edited.
 SEEDED_PROFILES = {"quick": 0, "ci": 0}
-PROFILES = ("quick", "ci", "fuzz")
+# What each profile is for, in the words a usage error lists them with.
+PROFILE_USES = {
+    "quick": "a few examples per check, for development",
+    "ci": f"the gate: {settings.get_profile('ci').max_examples} examples per check, seeded",
+    "fuzz": "thousands of random schedules, for nightly runs",
+}
+PROFILES = tuple(PROFILE_USES)

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 
 from ..model.adapters import TrainerAdapter
+from ..model.settings import PROFILE_USES
 from ..run.forkserver import warm_target
 from ..trace.strace import strace_problem
 
@@ -115,10 +116,6 @@ def unknown_ini_keys(config, known: set[str]) -> str | None:
             f"  fix: {'rename it to ' + repr(close[0]) if close else 'remove it'}")
 
 
-# What each of the suite's profiles is for (model/settings.py registers them).
-PROFILE_USES = {"quick": "a few examples per check, for development", "ci": "the gate: 8 examples per check, seeded",
-                "fuzz": "thousands of random schedules, for nightly runs"}
-
 
 def profile_problem(name: str | None) -> str | None:
     """A usage error for a --hypothesis-profile that is not registered (Hypothesis itself would stop
@@ -138,21 +135,25 @@ def profile_problem(name: str | None) -> str | None:
             f"  fix: --hypothesis-profile={close[0] if close else 'ci'}")
 
 
-TRAINER_ENV = {"CONFORMANCE_TRAINER_CMD": ("--trainer-cmd", "conformance_trainer_cmd"),
-               "CONFORMANCE_ADAPTER": ("--adapter", "conformance_adapter")}
+# The ways of naming the trainer: the option's name (as in the plugin's OPTIONS), the environment
+# variable a user may expect it to be read from, and what a value looks like.
+TRAINER_NAMES = (("adapter", "CONFORMANCE_ADAPTER", "package.module:attribute"),
+                 ("trainer_cmd", "CONFORMANCE_TRAINER_CMD", "COMMAND"))
 
 
-def trainer_naming_problem(adapter: str | None, trainer_cmd: str | None, environ) -> str | None:
+def trainer_naming_problem(named: dict[str, str | None], options: dict[str, tuple[str, str]], environ) -> str | None:
     """A usage error where the run would silently test the bundled reference trainer instead of the one
     the user meant: an empty --adapter or --trainer-cmd, or the trainer named in an environment variable
-    that the suite does not read."""
-    for flag, value in (("--adapter", adapter), ("--trainer-cmd", trainer_cmd)):
+    that the suite does not read. `named`: each option's value (flag or ini, None if unset); `options`:
+    each option's (flag, ini key)."""
+    for name, _, example in TRAINER_NAMES:
+        value, flag = named[name], options[name][0]
         if value is not None and not str(value).strip():
             return (f"{flag} is empty, so the run would test the bundled reference trainer instead of yours\n"
-                    f"  fix: {flag}={'package.module:attribute' if flag == '--adapter' else 'COMMAND'} (or leave "
-                    "the option out to test the bundled trainer on purpose)")
-    if adapter is None and trainer_cmd is None:
-        for variable, (flag, ini) in TRAINER_ENV.items():
+                    f"  fix: {flag}={example} (or leave the option out to test the bundled trainer on purpose)")
+    if all(named[name] is None for name, _, _ in TRAINER_NAMES):
+        for name, variable, _ in TRAINER_NAMES:
+            flag, ini = options[name]
             if environ.get(variable):
                 return (f"{variable} is set, but the suite takes the trainer only from {flag} or the ini key "
                         f"{ini}; without them this run would test the bundled reference trainer\n"
