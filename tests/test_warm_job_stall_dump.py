@@ -14,18 +14,27 @@ from conformance.model.adapters import TrainerAdapter
 from conformance.model.process import RunSpec
 from conformance.run.runners import Limits, ProcessOverran, WarmRunner
 
-# Rank 1 logs step 1 and then sleeps for ever; rank 0 waits for it in a barrier.
+# Rank 1 logs step 1 and then sleeps for ever; rank 0 waits for it in a barrier. Until step 1 is
+# logged a thread keeps each rank busy: joining the group may legitimately sit idle for seconds
+# (c10d's connect back-off on a loaded machine), which a 3 s stall limit would otherwise catch
+# before the stall this test is about (CI at 28546d1 did, once).
 STALLS_AFTER_STEP_1 = textwrap.dedent("""\
-    import datetime, json, os, time
+    import datetime, json, os, threading, time
     import torch.distributed as dist
 
     def rank_one_hangs_here():
         time.sleep(3600)
 
+    started = threading.Event()
+    def busy_until_started():
+        while not started.is_set():
+            sum(range(10000))
+    threading.Thread(target=busy_until_started, daemon=True).start()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     with open(os.environ["CONFORMANCE_LOSS_LOG"] + f".rank{rank}", "a") as log:
         log.write(json.dumps({"step": 1, "loss": 1.0}) + "\\n")
+    started.set()
     if rank == 1:
         rank_one_hangs_here()
     dist.barrier()
