@@ -18,7 +18,7 @@ from pathlib import Path
 
 def _replay(args) -> int:
     from .checks import Session, split_id
-    from .checks.failures import ConformanceFailure
+    from .checks.failures import CheckNotApplicable, ConformanceFailure
     from .faults.scenario import CrashNotLanded, CrashPointMissing
     from .model.adapters import AdapterError, resolve
     from .model.process import RunSpec
@@ -39,7 +39,8 @@ def _replay(args) -> int:
     except AdapterError as exc:
         print(f"error: cannot use the trainer: {exc}", file=sys.stderr)
         return 2
-    session = Session(adapter, tol=args.loss_tol, process_timeout=args.process_timeout, grace_s=args.grace_seconds)
+    session = Session(adapter, tol=args.loss_tol, process_timeout=args.process_timeout, grace_s=args.grace_seconds,
+                      resume_python=args.resume_python, hang_timeout=args.hang_timeout)
     spec = RunSpec(args.total_steps, args.save_every, args.seed, adapter.world_size,
                    cold="file" if adapter.has("cold_tier") else None)
     try:
@@ -47,7 +48,7 @@ def _replay(args) -> int:
     except (ConformanceFailure, CrashNotLanded) as exc:
         print(f"FAIL\n{exc}")
         return 1
-    except CrashPointMissing as exc:
+    except (CrashPointMissing, CheckNotApplicable) as exc:
         print(f"NOT APPLICABLE: {exc}")
         return 2
     finally:
@@ -80,7 +81,7 @@ def _soak(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .checks import CHECKS, all_check_ids
     from .cli.soak import add_arguments as add_soak_arguments
-    from .model.settings import DEFAULT_GRACE_S, DEFAULT_TOL
+    from .model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
     parser = argparse.ArgumentParser(prog="python -m conformance")
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay one case exactly, from the line a failure printed")
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--loss-tol", type=float, default=DEFAULT_TOL)
     rp.add_argument("--process-timeout", type=float, default=None, metavar="SECONDS")
     rp.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS")
+    rp.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S, metavar="SECONDS")
+    rp.add_argument("--resume-python", default=None, metavar="PATH", help="upgrade_resume: another environment's "
+                    "Python interpreter")
     rep = sub.add_parser("report", help="render a saved report.json (exit 1 if it holds failures)")
     rep.add_argument("path", help="report.json written by --conformance-report")
     rep.add_argument("--format", choices=("markdown", "json"), default="markdown")

@@ -5,7 +5,7 @@ reports.
     pytest --pyargs conformance -n auto --trainer-cmd="python train.py --foo"
 
 Both can live in the team's pytest configuration (`conformance_adapter = ...`,
-`conformance_trainer_cmd = ...`), so the CI gate is a bare `pytest -n auto`.
+`conformance_trainer_cmd = ...`), so the CI gate is `pytest --pyargs conformance -n auto`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,17 @@ from .checks import Session
 from .model import evidence
 from .model import settings as _settings  # noqa: F401  (registers the Hypothesis profiles)
 from .model.adapters import AdapterError, TrainerAdapter, checked_world_size, resolve
-from .model.settings import DEFAULT_GRACE_S, DEFAULT_TOL
+from .model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
+from .options import (  # noqa: F401
+    DEFAULT_REPORT_DIR,
+    OPTIONS,
+    USAGE_PREFIX,
+    add_options,
+    option,
+    positive_seconds,
+    rdzv_port,
+    resume_interpreter,
+)
 from .report import expected
 from .report import report as reports
 from .report.usage import (
@@ -33,64 +43,9 @@ from .report.usage import (
 from .run.launch import JobConfig
 from .run.runners import SubprocessRunner, WarmRunner
 
-OPTIONS = {   # name -> (command-line flag, ini key)
-    "adapter": ("--adapter", "conformance_adapter"),
-    "trainer_cmd": ("--trainer-cmd", "conformance_trainer_cmd"),
-    "runner": ("--runner", "conformance_runner"),
-    "loss_tol": ("--loss-tol", "conformance_loss_tol"),
-    "process_timeout": ("--process-timeout", "conformance_process_timeout"),
-    "grace_seconds": ("--grace-seconds", "conformance_grace_seconds"),
-    "cold_url": ("--cold-url", "conformance_cold_url"),
-    "world_size": ("--world-size", "conformance_world_size"),
-    "rdzv_port": ("--rdzv-port", "conformance_rdzv_port"),
-    "report": ("--conformance-report", "conformance_report"),
-    "expected_failures": ("--expected-failures", "conformance_expected_failures"),
-}
-USAGE_PREFIX = "conformance usage error: "
-DEFAULT_REPORT_DIR = "conformance-report"   # relative to the working directory: reports and plots outlive the run
-
 
 def pytest_addoption(parser):
-    group = parser.getgroup("conformance", "resume-determinism conformance suite")
-    group.addoption("--adapter", default=None,
-                    help="Python adapter 'package.module:attribute' (default: the bundled reference trainer)")
-    group.addoption("--trainer-cmd", default=None,
-                    help="command that starts the trainer following the command contract")
-    group.addoption("--runner", choices=("warm", "fresh"), default=None,
-                    help="warm: fork trainer processes from a process that imported torch once "
-                         "(default); fresh: a new interpreter per process")
-    group.addoption("--loss-tol", type=float, default=None,
-                    help=f"max absolute loss difference per step (default {DEFAULT_TOL:g})")
-    group.addoption("--process-timeout", type=float, default=None, metavar="SECONDS",
-                    help="kill a trainer process after this long (default: 10x the baseline run, at "
-                         "least 60 s; 600 s for the first run); half of it without a new step also kills")
-    group.addoption("--grace-seconds", type=float, default=None, metavar="SECONDS",
-                    help=f"preemption: how long after SIGTERM the trainer may run before SIGKILL (default "
-                         f"{DEFAULT_GRACE_S:g}; SLURM and Kubernetes default to 30)")
-    group.addoption("--cold-url", default=None, metavar="URL",
-                    help="capability cold_tier: 'file' (default: a directory beside each checkpoint directory) or "
-                         "s3://bucket/prefix (the suite starts moto's S3 server on loopback for the run)")
-    group.addoption("--world-size", default=None, metavar="W",
-                    help="run the trainer as W ranks under torchrun (default: the adapter's world_size, or 1)")
-    group.addoption("--rdzv-port", default=None, metavar="PORT",
-                    help="torchrun's rendezvous port for every job (default: a free port per job)")
-    group.addoption("--conformance-report", default=None, metavar="DIR",
-                    help="write DIR/report.json (every check, its outcome and the numbers behind it), "
-                         "DIR/summary.md (for a pull request) and DIR/plots/*.png (default: ./conformance-report)")
-    group.addoption("--expected-failures", default=None, metavar="FILE",
-                    help="lines '<check id> : <reason>': those checks are expected to fail (strict)")
-    group.addoption("--expected-failures-lenient", action="store_true", default=False,
-                    help="a listed check that passes does not fail the run")
-    for flag, ini in OPTIONS.values():
-        parser.addini(ini, f"default for {flag}")
-
-
-def option(config, name: str):
-    flag, ini = OPTIONS[name]
-    value = config.getoption(flag)
-    if value is None:
-        value = config.getini(ini) or None
-    return value
+    add_options(parser)
 
 
 @pytest.fixture(scope="session")
@@ -109,6 +64,8 @@ def conformance_session_for(request, tmp_path_factory):
     if cold != "file" and not cold.startswith("s3://"):
         raise pytest.UsageError(f"{USAGE_PREFIX}--cold-url must be 'file' or s3://bucket/prefix, got {cold!r}")
     s3 = None
+    resume_python = resume_interpreter(config)
+    hang_timeout = positive_seconds(config, "hang_timeout", DEFAULT_HANG_TIMEOUT_S)
 
     def get(adapter=None, trainer_cmd=None, world_size=None) -> Session:
         if adapter is None and trainer_cmd is None:
@@ -123,7 +80,8 @@ def conformance_session_for(request, tmp_path_factory):
                 from .run.coldstore import LoopbackS3
                 s3 = LoopbackS3(cold)
             cache[key] = Session(resolved, tmp_path_factory.mktemp("conformance"), runner=runner, tol=tol,
-                                 plot_dir=plot_dir, process_timeout=timeout, grace_s=grace, cold=cold)
+                                 plot_dir=plot_dir, process_timeout=timeout, grace_s=grace, cold=cold,
+                                 resume_python=resume_python, hang_timeout=hang_timeout)
         return cache[key]
 
     yield get
@@ -131,20 +89,6 @@ def conformance_session_for(request, tmp_path_factory):
         session.close()
     if s3 is not None:
         s3.stop()
-
-
-def rdzv_port(config) -> int | None:
-    value = option(config, "rdzv_port")
-    if value is None:
-        return None
-    try:
-        port = int(value)
-        if not 0 < port < 65536:
-            raise ValueError
-    except ValueError:
-        raise pytest.UsageError(f"--rdzv-port {value!r} is not a TCP port (1-65535)\n  fix: give a free port, or "
-                                "leave it unset for a free port per job") from None
-    return port
 
 
 def _resolve(config, adapter, trainer_cmd, world_size=None) -> TrainerAdapter:

@@ -18,7 +18,7 @@ from hypothesis import given, note, reject, seed, settings
 from hypothesis import strategies as st
 
 from .checks import CHECKS, Check, Session, skip_reason
-from .checks.failures import ConformanceFailure
+from .checks.failures import CheckNotApplicable, ConformanceFailure
 from .checks.registry import case_text
 from .faults.scenario import CrashNotLanded, CrashPointMissing
 from .model.process import RunSpec
@@ -83,7 +83,11 @@ def _make_test(check: Check):
             pytest.skip(reason)
         case = None
         if check.draw is not None:
-            case = data.draw(check.draw(session.baseline(spec), param), label=check.case.name)
+            try:
+                cases = check.draw(session.baseline(spec), param)
+            except CheckNotApplicable as exc:
+                pytest.skip(str(exc))
+            case = data.draw(cases, label=check.case.name)
             note(f"{check.case.name} {case_text(check, case)}")
         report = None
         try:

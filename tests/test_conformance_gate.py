@@ -6,7 +6,9 @@ the verdicts from its JUnit XML.
 """
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,15 @@ from fixtures import CORRECT_TRAINERS
 from fixtures.broken import CATALOGUE
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs_strace]
+
+# Another environment for upgrade_resume: numpy 1.26 beside the installed 2.x, a venv with system
+# site packages (same torch), made by .ci/run.
+NP126_PYTHON = Path(os.environ.get("CONFORMANCE_NP126_PYTHON",
+                                   Path(__file__).resolve().parents[1] / ".venv-np126" / "bin" / "python"))
+
+
+def resume_python_args() -> list[str]:
+    return [f"--resume-python={NP126_PYTHON}"] if NP126_PYTHON.exists() else []
 
 
 def test_the_catalogue_names_registered_checks():
@@ -40,7 +51,9 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
     # `python -m conformance soak --random --profile ci --load 4` (docs/running.md, "Delivery").
     under_ci = ("fixtures.reference_trainer:ADAPTER", "fixtures.temp_names:MKSTEMP", "fixtures.inflight_trainer:ADAPTER")
     profile = "ci" if adapter in under_ci else "quick"
-    verdicts, out = run_suite(f"--adapter={adapter}", f"--hypothesis-profile={profile}")
+    # upgrade_resume runs for the reference trainer (against numpy 1.26), and skips for the others.
+    extra = resume_python_args() if adapter == "fixtures.reference_trainer:ADAPTER" else []
+    verdicts, out = run_suite(f"--adapter={adapter}", f"--hypothesis-profile={profile}", *extra)
     assert verdicts, out[-3000:]
     bad = {name: v for name, v in verdicts.items() if v[0] in ("failed", "error")}
     assert not bad, "\n\n".join(f"{n}: {m[:2000]}" for n, (_, m) in bad.items())
@@ -50,14 +63,17 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
     if not loaded.legacy_samples:
         assert "adapter lacks capability 'legacy_samples'" in skipped.pop("test_schema_migration", "")
     for check, capabilities in (("node_loss", ("cold_tier",)), ("branch_resume", ("resume_from",)),
-                                ("demotion_safe", ("cold_tier", "resume_from"))):
+                                ("extend_run", ("extendable",)), ("demotion_safe", ("cold_tier", "resume_from"))):
         missing = [c for c in capabilities if not loaded.has(c)]
         if missing:
             assert f"adapter lacks capability '{missing[0]}'" in skipped.pop(f"test_{check}", "")
     if loaded.world_size < 2:   # the multi-rank checks skip, naming why
-        for check in ("rank_resume", "all_or_nothing", "reshard"):
+        for check in ("rank_resume", "all_or_nothing", "reshard", "hang"):
             for test in [t for t in skipped if t == f"test_{check}" or t.startswith(f"test_{check}[")]:
                 assert "needs a multi-rank trainer" in skipped.pop(test)
+    for test in [t for t in skipped if t.startswith("test_upgrade_resume[")]:
+        if not extra:
+            assert "needs another Python environment" in skipped.pop(test)
     assert not skipped, skipped
     assert set(verdicts) == {f"test_{i}" for i in all_check_ids()}
 
@@ -83,8 +99,13 @@ def test_broken_trainer_fails_with_the_intended_check(run_suite, trainer):
                             "'safetensors' extra")
     if trainer in ("cold_without_marker", "branch_overwrites", "rotation_drops_best"):
         pytest.importorskip("fsspec", reason=f"{trainer} has a cold tier: it needs the 'cold' extra")
-    verdicts, out = run_suite(f"--adapter=fixtures.broken.{trainer}:ADAPTER",
-                              "--hypothesis-profile=quick", "-k", f"test_{check} or test_determinism_precondition")
+    extra = []
+    if check.startswith("upgrade_resume"):
+        if not NP126_PYTHON.exists():
+            pytest.skip(f"no second environment at {NP126_PYTHON} (.ci/run makes one)")
+        extra = resume_python_args()
+    verdicts, out = run_suite(f"--adapter=fixtures.broken.{trainer}:ADAPTER", "--hypothesis-profile=quick",
+                              "-k", f"test_{check} or test_determinism_precondition", *extra)
     if check != "determinism_precondition":
         assert verdicts.get("test_determinism_precondition", ("missing",))[0] == "passed", verdicts
     failed = {name: message for name, (outcome, message) in verdicts.items()

@@ -118,7 +118,7 @@ def test_a_fixed_run_uses_the_profile_itself_and_no_seed():
 
 def test_the_command_options_are_the_suites_own():
     """Every option the soak passes is one pytest (with the plugin and the soak's -p) accepts."""
-    from conformance.plugin import OPTIONS
+    from conformance.options import OPTIONS
     flags = {flag for flag, _ in OPTIONS.values()}
     cmd = soak.build_command(soak.Trainer(adapter=REF), profile="ci", seed=1, world_size="2", workers="2",
                              report_dir=Path("r"), basetemp=Path("t"), select="test_x")

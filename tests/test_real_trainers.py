@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ TRAINERS = {"lightning": "fixtures.real.lightning_trainer", "accelerate": "fixtu
 IMPORTS = {"dcp": "torch.distributed.checkpoint"}
 # transformers 4.x next to the installed 5.x: a venv with system site packages (same torch), made by
 # .ci/run; the suite forks its trainer processes from that interpreter, warm.
+# numpy 1.26 next to the installed 2.x, the same way: upgrade_resume's other environment.
+NP126_PYTHON = Path(os.environ.get("CONFORMANCE_NP126_PYTHON",
+                                   Path(__file__).resolve().parents[1] / ".venv-np126" / "bin" / "python"))
 HF4_PYTHON = Path(os.environ.get("CONFORMANCE_HF4_PYTHON", Path(__file__).resolve().parents[1] / ".venv-hf4" / "bin" / "python"))
 
 
@@ -32,7 +36,10 @@ def test_suite_verdicts_match_the_recorded_findings(run_suite, library):
     trainer = importlib.import_module(TRAINERS[library])
     if not trainer.EXPECTED:
         pytest.skip(f"no recorded findings for this version of {library}")
-    verdicts, out = run_suite(f"--adapter={trainer.ADAPTER.spec}", "--hypothesis-profile=quick")
+    if not NP126_PYTHON.exists():
+        pytest.skip(f"no numpy 1.26 interpreter at {NP126_PYTHON} for upgrade_resume (.ci/run makes one)")
+    verdicts, out = run_suite(f"--adapter={trainer.ADAPTER.spec}", "--hypothesis-profile=quick",
+                              f"--resume-python={NP126_PYTHON}")
     _assert_verdicts(library, trainer.EXPECTED, verdicts, out)
 
 
@@ -44,7 +51,9 @@ def test_transformers_4_verdicts_match_the_recorded_findings(run_suite):
     if not probe.stdout.startswith("4."):
         pytest.skip(f"{HF4_PYTHON} does not import transformers 4.x: {probe.stdout or probe.stderr[-300:]}")
     from fixtures.real.hf_trainer import EXPECTED_BY_MAJOR
-    verdicts, out = run_suite(f"--trainer-cmd={HF4_PYTHON} -m fixtures.real.hf_trainer", "--hypothesis-profile=quick", "-v")
+    # upgrade_resume between transformers 4.x (the trainer's interpreter) and 5.x (the suite's).
+    verdicts, out = run_suite(f"--trainer-cmd={HF4_PYTHON} -m fixtures.real.hf_trainer", "--hypothesis-profile=quick", "-v",
+                              f"--resume-python={sys.executable}")
     assert "runner warm" in out
     _assert_verdicts("transformers 4", EXPECTED_BY_MAJOR[4], verdicts, out)
 

@@ -8,6 +8,11 @@
 | power.py | power_loss |
 | storage.py | io_error |
 | preemption.py | preemption |
+| interrupt.py | interrupt |
+| lifecycle.py | restart_after_finish, extend_run |
+| compound.py | compound_faults |
+| upgrade.py | upgrade_resume |
+| hang.py | hang |
 | ranks.py | rank_resume, all_or_nothing, reshard |
 | damage.py | corruption_detected |
 | untrusted.py | untrusted_checkpoint |

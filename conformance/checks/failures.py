@@ -12,6 +12,11 @@ class ConformanceFailure(AssertionError):
     """A check failed; the message is the report."""
 
 
+class CheckNotApplicable(Exception):
+    """This trainer's run offers the check nothing to do (its cases cannot be set up); the test
+    skips with the message as its reason, as for a missing capability."""
+
+
 def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: float
                     ) -> list[tuple[int, float | None, float, float]]:
     """(step, baseline, resumed, |difference|) for every resumed step outside tolerance."""

@@ -37,6 +37,10 @@ FIXES = {
     "all_or_nothing":
         "commit a multi-rank checkpoint only after every rank finished writing (a barrier, then one marker or "
         "index written last by one rank), and have every rank load only committed checkpoints",
+    "hang":
+        "give the process group a timeout (init_process_group(timeout=...), CONFORMANCE_HANG_TIMEOUT under the "
+        "suite) so a rank waiting for a stopped peer raises and exits non-zero, and commit only after every rank "
+        "finished its part",
     "reshard":
         "save a world-size independent state (torch.distributed.checkpoint plans and reshards on load) and the "
         "data position in global samples, not per rank",
@@ -55,6 +59,21 @@ FIXES = {
     "demotion_safe":
         "delete a local checkpoint only after its cold copy is verified (hash compared after the upload) and "
         "committed by its marker; verify cold copies on load",
+    "restart_after_finish":
+        "on start, resume from the newest checkpoint and train only the steps after it: a run whose checkpoint "
+        "is at or past the last step exits 0 at once, never restarts its counters or trains again over it",
+    "extend_run":
+        "take the total number of steps from the new run's configuration, not from the checkpoint, and keep "
+        "the schedule a function of the step (or drop the capability 'extendable' if it depends on the total)",
+    "interrupt":
+        "let KeyboardInterrupt abandon a save in progress: remove its temp files, never commit in a `finally` "
+        "or an `__exit__` that ignores the exception; save on Ctrl-C only at a step boundary, then exit non-zero",
+    "compound_faults":
+        "delete old checkpoints only after the new one is committed (retention last), and on start fall back "
+        "past a damaged newest checkpoint to the next older one that verifies",
+    "upgrade_resume":
+        "keep checkpoints free of version-bound objects (tensors and JSON, not pickled classes of one numpy "
+        "or library version), write a schema version and migrate on load instead of refusing another version",
     "schema_migration":
         "register a migration for every older checkpoint format and run it on load; refuse a newer format "
         "with an error naming both versions",

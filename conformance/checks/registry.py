@@ -17,7 +17,24 @@ from ..faults.corrupt import KINDS
 from ..model.crash import ColdFault, CrashPoint, Schedule, format_schedule, parse_schedule
 from ..model.process import RunSpec
 from ..run.runners import ProcessOverran
-from . import damage, determinism, legacy, power, preemption, ranks, schedules, states, storage, tiers, untrusted
+from . import (
+    compound,
+    damage,
+    determinism,
+    hang,
+    interrupt,
+    legacy,
+    lifecycle,
+    power,
+    preemption,
+    ranks,
+    schedules,
+    states,
+    storage,
+    tiers,
+    untrusted,
+    upgrade,
+)
 from .failures import ConformanceFailure, stderr_tail
 from .fixes import FIXES, fix_line
 from .session import Session
@@ -135,6 +152,33 @@ CHECKS: tuple[Check, ...] = (
           "the grace period and the next start loses no step",
           "conformance/checks/preemption.py", preemption.preemption, needs=("trace",), precondition="operations",
           draw=lambda b, _: strategies.term_points(b), case=_POINT),
+    Check("interrupt",
+          "Ctrl-C's SIGINT at a step or inside a save (a background save's too; a job's whole process group), "
+          "so KeyboardInterrupt runs every handler mid-save: the trainer exits within --grace-seconds and not 0 "
+          "before TOTAL_STEPS, and the next start resumes from at least the newest committed checkpoint and "
+          "matches (no torn or mixed state committed)",
+          "conformance/checks/interrupt.py", interrupt.interrupt, needs=("trace",), precondition="operations",
+          draw=lambda b, _: strategies.term_points(b), case=_POINT),
+    Check("compound_faults",
+          "a kill (`kill_then_damage`) or a power cut (`power_then_damage`) inside a save, then the newest "
+          "committed checkpoint damaged: the next start falls back to the checkpoint the trainer's own retention "
+          "kept beside it in the uninterrupted run (or newer, intact) and matches; with nothing kept, it may "
+          "start over or exit non-zero, never train on the damage",
+          "conformance/checks/compound.py", compound.compound_faults, params=compound.PARAMS, needs=("trace",),
+          draw=compound.draw_state, case=_STATE),
+    Check("restart_after_finish",
+          "after an uninterrupted run, the trainer started again with the same environment exits 0 and trains "
+          "no step its newest checkpoint holds; any step it trains matches the baseline",
+          "conformance/checks/lifecycle.py", lifecycle.restart_after_finish, needs=("trace",)),
+    Check("extend_run",
+          "after a run to TOTAL_STEPS, a start with a larger total trains the new steps, and their losses equal "
+          "a fresh run to the larger total",
+          "conformance/checks/lifecycle.py", lifecycle.extend_run, needs=("trace", "extendable")),
+    Check("upgrade_resume",
+          "checkpoints cross a dependency change (--resume-python=PATH: another torch, numpy, transformers or "
+          "trainer library): saved here and resumed under PATH (`rollback`), saved under PATH and resumed here "
+          "(`upgrade`); each resume matches the baseline of the environment that resumes, never refuses or crashes",
+          "conformance/checks/upgrade.py", upgrade.upgrade_resume, params=upgrade.PARAMS, needs=("resume_python",)),
     Check("rank_resume",
           "one rank of a multi-rank job killed at a step boundary: every rank resumes from the same step and "
           "every rank's loss matches that rank's own uninterrupted curve (a rank whose RNG or data position "
@@ -147,6 +191,12 @@ CHECKS: tuple[Check, ...] = (
           "same one, and every rank's loss matches its own uninterrupted curve",
           "conformance/checks/ranks.py", ranks.all_or_nothing, needs=("trace", "multirank"),
           precondition="operations", draw=lambda b, _: strategies.save_end_points(b), case=_POINT),
+    Check("hang",
+          "one rank of a multi-rank job frozen (SIGSTOP) inside a save: the job notices (a rank's collective times "
+          "out) and ends within --hang-timeout, never hangs; after the stopped rank is killed the next start resumes "
+          "from at least the newest committed checkpoint and matches",
+          "conformance/checks/hang.py", hang.hang, needs=("trace", "multirank"), precondition="operations",
+          draw=lambda b, _: strategies.in_save_points(b), case=_POINT),
     Check("reshard",
           "save with W ranks and resume with 1 (`shrink`), save with 1 and resume with W (`grow`): the job "
           "resumes at the saved step and the global loss (the mean of the ranks') matches the W-rank run",
@@ -209,6 +259,10 @@ def skip_reason(check: Check, session: Session, spec: RunSpec) -> str | None:
             problem = session.trace_problem()
             if problem:
                 return problem
+        elif need == "resume_python":
+            if not session.resume_python:
+                return ("needs another Python environment to resume in: --resume-python=PATH (ini "
+                        "conformance_resume_python)")
         elif need == "multirank":
             if session.adapter.world_size < 2:
                 return "needs a multi-rank trainer (world size >= 2: --world-size or the adapter's world_size)"
@@ -241,7 +295,8 @@ def markdown_table() -> str:
     rows = ["| check id | what it asserts | needs | decided in |", "|---|---|---|---|"]
     for c in CHECKS:
         ids = f"`{c.id}[{'|'.join(c.params)}]`".replace("|", "\\|") if c.params else f"`{c.id}`"
-        needs = [{"trace": "strace", "multirank": "world size >= 2"}.get(n, f"capability `{n}`") for n in c.needs]
+        needs = [{"trace": "strace", "multirank": "world size >= 2", "resume_python": "`--resume-python`"}
+                 .get(n, f"capability `{n}`") for n in c.needs]
         if c.precondition != "none":
             needs.append("deterministic " + ("losses and operations" if c.precondition == "operations" else "losses"))
         rows.append(f"| {ids} | {c.summary} | {', '.join(needs) or '-'} | `{c.decided_in}` |")
@@ -268,7 +323,7 @@ LEVELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("L1", "process-crash safe", ("determinism_precondition", "resume_matches_baseline", "no_lost_work",
                                   "no_torn_state", "crash_states", "corruption_detected", "untrusted_checkpoint")),
     ("L2", "power-loss durable", ("power_loss",)),
-    ("L3", "fault tolerant", ("io_error", "preemption")),
+    ("L3", "fault tolerant", ("io_error", "preemption", "interrupt", "compound_faults", "restart_after_finish")),
     ("L4", "multi-rank consistent", ("all_or_nothing", "rank_resume")),
 )
 

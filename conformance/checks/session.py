@@ -17,7 +17,7 @@ from ..model import evidence
 from ..model.adapters import TrainerAdapter
 from ..model.crash import CrashPoint
 from ..model.process import RunSpec
-from ..model.settings import DEFAULT_GRACE_S, DEFAULT_TOL
+from ..model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
 from ..run.runners import Limits, ProcessOverran, Runner, WarmRunner, traced_run
 from ..trace import alignment
 from ..trace.recording import RecordedRun
@@ -42,8 +42,11 @@ class Session:
 
     def __init__(self, adapter: TrainerAdapter, workdir: Path | None = None, runner: Runner | None = None,
                  tol: float = DEFAULT_TOL, plot_dir: Path | None = None, process_timeout: float | None = None,
-                 grace_s: float = DEFAULT_GRACE_S, cold: str = "file"):
+                 grace_s: float = DEFAULT_GRACE_S, cold: str = "file", resume_python: str | None = None,
+                 hang_timeout: float = DEFAULT_HANG_TIMEOUT_S):
         self.adapter = adapter
+        self.resume_python = resume_python   # upgrade_resume: another environment's interpreter
+        self.hang_timeout = hang_timeout     # hang: how long a job may run with one rank stopped
         self.cold = cold          # capability cold_tier: "file" or s3://bucket/prefix (process.cold_root)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="conformance-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -209,6 +212,11 @@ class Session:
             return traced_run(self.runner, self.adapter, spec.but(total_steps=at + 1),
                               self.case_dir("reads"), tag="resume", prepare=prefix.ckpt_dir).reads
         return self._cached(("reads", spec, at), compute)
+
+    def other_baseline(self, spec: RunSpec, adapter: TrainerAdapter) -> RecordedRun:
+        """The uninterrupted run in another environment (upgrade_resume), losses only."""
+        return self._cached(("other-baseline", spec, adapter.argv), lambda: traced_run(
+            self.runner, adapter, spec, self.case_dir("other-baseline"), tag="other", trace=False))
 
     def plain_resume_losses(self, spec: RunSpec, step: int) -> dict[int, float] | None:
         """Losses of a resume from the checkpoint of `step` after a plain kill between steps (no

@@ -51,14 +51,17 @@ def error_points(run: recording.RecordedRun) -> list[int]:
 
 def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: CrashPoint, action: str,
               workdir: Path, baseline: recording.RecordedRun, *, stop: Stop | None = None,
-              went_on_until: int | None = None, stable: frozenset[str] = frozenset()) -> FaultOutcome:
+              went_on_until: int | None = None, stable: frozenset[str] = frozenset(),
+              faulted_spec: RunSpec | None = None) -> FaultOutcome:
     """Fault one process at `point` with `action`, then start the trainer again on what it left.
 
     With `went_on_until`=k, the faulted process is recorded with its data, and if it goes on
     training (exit 0) the next start runs on the directory as it was when the process had logged
     step k (rebuilt offline from that recording: exact, where stopping the process from outside
     would race it), not as the whole run left it. `stable`: paths the same in every run (a job's
-    fault on one is delivered by path, as a kill is; delivery.choose_route)."""
+    fault on one is delivered by path, as a kill is; delivery.choose_route). `faulted_spec`: the
+    same run with other hints in its environment (CONFORMANCE_HANG_TIMEOUT), for the faulted
+    process only."""
     ckpt = (workdir / "ckpt").resolve()
     if ckpt.exists():
         shutil.rmtree(ckpt)
@@ -90,7 +93,7 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
 
     def attempt(k: PlannedKill) -> recording.RecordedRun:
         tracing = Tracing.each(spec, workdir / "faulted.strace", lambda f: argv_for(f, k))
-        result = runner.run_process(adapter, spec, ckpt, log, tracing=tracing, stop=stop)
+        result = runner.run_process(adapter, faulted_spec or spec, ckpt, log, tracing=tracing, stop=stop)
         runs.append((result, recording.from_result(result, spec, ckpt, log)))
         for f in tracing.files():
             f.unlink(missing_ok=True)

@@ -20,7 +20,8 @@ BUNDLED = "fixtures.reference_trainer:ADAPTER"
 
 # Capabilities an adapter may declare; a check needing one the adapter lacks is skipped naming it.
 # Besides these, `steps=N` asks for runs of N steps (see TrainerAdapter.total_steps).
-KNOWN_CAPABILITIES = frozenset({"cold_tier", "keep_best", "legacy_samples", "preemption_save", "reshard", "resume_from",
+KNOWN_CAPABILITIES = frozenset({"cold_tier", "extendable", "keep_best", "legacy_samples", "preemption_save", "reshard",
+                                "resume_from",
                                 "sharded", "syscall_crash"})
 
 

@@ -29,6 +29,7 @@ class RunSpec:
     cold: str | None = None
     cold_fault: ColdFault | None = None
     resume_from: int | None = None
+    hang_timeout: float | None = None   # CONFORMANCE_HANG_TIMEOUT: the longest a rank should wait for a peer
 
     @property
     def is_job(self) -> bool:
@@ -51,6 +52,8 @@ class RunSpec:
                 env[f"CONFORMANCE_COLD_{self.cold_fault.kind.upper()}_AT"] = str(self.cold_fault.n)
         if self.resume_from is not None:
             env["CONFORMANCE_RESUME_FROM"] = str(self.resume_from)
+        if self.hang_timeout is not None:
+            env["CONFORMANCE_HANG_TIMEOUT"] = f"{self.hang_timeout:g}"
         env.setdefault("PYTHONUNBUFFERED", "1")
         # Writing .pyc files adds open/write calls to the first run only, which would shift the
         # per-thread syscall counts that crash points are addressed by.

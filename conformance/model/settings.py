@@ -19,6 +19,9 @@ SEED = 0
 CADENCES = (3, 4)   # with the bundled trainer's 5 batches per epoch, both save mid-epoch
 DEFAULT_TOL = 1e-4
 DEFAULT_GRACE_S = 5.0   # SIGTERM to SIGKILL (SLURM's KillWait and Kubernetes default to 30 s)
+# hang: how long a job may run after one rank is stopped; the trainer is told a third of it
+# (CONFORMANCE_HANG_TIMEOUT) for its collectives, leaving the rest for its ranks to exit.
+DEFAULT_HANG_TIMEOUT_S = 30.0
 
 SLOW_OK = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                      HealthCheck.function_scoped_fixture])

@@ -1,2 +1,3 @@
 """States rebuilt offline from one recorded run, with no retraining: the directory a kill before each operation
-leaves (`crash_states`) and the one a power cut leaves (`powerloss`)."""
+leaves (`crash_states`), the one a power cut leaves (`powerloss`), and what the run's retention kept after each
+commit, with a second fault on top (`retained`)."""

@@ -94,14 +94,17 @@ PAGES = (("docs/design.md", "conformance", True), ("docs/reference-library.md", 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Regenerate the module tables of docs/design.md and docs/reference-library.md (run from the repository)."""
+    """Regenerate the README's checks table, the module tables of docs/design.md and
+    docs/reference-library.md, and docs/checks.md (run from the repository)."""
     import importlib
     root = Path(argv[0]) if argv else Path.cwd()
     for page, package, layered in PAGES:
         layers = importlib.import_module(package).LAYERS if layered else None
         replace_table(root / page, MODULES_MARKER, module_table(root / package, layers))
         print(f"updated {page}")
-    from ..checks.registry import checks_page
+    from ..checks.registry import TABLE_MARKER, checks_page, markdown_table
+    replace_table(root / "README.md", TABLE_MARKER, markdown_table())
+    print("updated README.md")
     (root / "docs" / "checks.md").write_text(checks_page() + "\n")
     print("updated docs/checks.md")
     return 0

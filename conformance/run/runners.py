@@ -158,12 +158,12 @@ class SubprocessRunner(_Jobs):
         start = time.monotonic()
         proc_box: list[subprocess.Popen] = []
 
-        def term_job() -> None:
+        def signal_job(signum: int) -> None:
             if proc_box:
-                _signal_group(proc_box[0].pid, signal.SIGTERM)
+                _signal_group(proc_box[0].pid, signum)
 
         watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
-                         on_signal=term_job if port is not None else None)
+                         on_signal=signal_job if port is not None else None)
         err_path = loss_log.with_name(loss_log.name + ".stderr")
         with open(err_path, "w+b") as err_file:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -257,7 +257,7 @@ class WarmRunner(_Jobs):
 
         start = time.monotonic()
         watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
-                         on_signal=lambda: _signal_group(job_pid[0], signal.SIGTERM) if job_pid else None)
+                         on_signal=lambda signum: _signal_group(job_pid[0], signum) if job_pid else None)
         def problem() -> str | None:
             return attacher.problem() or watch.problem()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -45,13 +46,15 @@ class Stop:
 
     after_step: int | None = None
     grace_s: float | None = None
+    signal: str = "TERM"      # the signal the grace period counts from: TERM (a scheduler), INT (Ctrl-C),
+    #                           STOP (one rank frozen: the job ends the stop when one of its processes exits)
 
 
 class Watchdog:
     """Reads the loss logs (and the traces) as they grow and says when a process must be stopped,
     and why. `planned` is set when the stop was a planned one, not a broken limit. For a job,
-    `on_signal` runs once when a traced rank is seen getting its SIGTERM (to pass it to the whole
-    job, as a scheduler does).
+    `on_signal(signum)` runs once when a traced rank is seen getting the stop's signal (to pass it
+    to the whole job, as a scheduler does with SIGTERM and a terminal with Ctrl-C's SIGINT).
 
     Once the runner names the launched process (`follow`), the watchdog samples its process tree
     in /proc every `sample_s`: a logged step or any sign of life there (`progressed`) is progress,
@@ -69,6 +72,7 @@ class Watchdog:
         self.offsets = [0] * len(self.logs)
         self.partials = [b""] * len(self.logs)
         self.last_step = 0
+        self.rank_steps = [0] * len(self.logs)   # the last step each log (rank) showed
         self.planned: str | None = None
         self.signalled_at: float | None = None
         self.trace_offsets = [0] * len(self.trace_files)
@@ -77,6 +81,7 @@ class Watchdog:
         self.root: int | None = None
         self.sampled_at = 0.0
         self.tasks: dict[int, TaskSample] | None = None
+        self.peers: set[int] | None = None   # a SIGSTOP stop: the job's processes when it was seen
 
     def follow(self, pid: int) -> None:
         """Watch the process tree under `pid`, the process the runner just launched; the time
@@ -114,9 +119,11 @@ class Watchdog:
                 if step > self.last_step or self.last_step == 0:
                     self.progress_at = time.monotonic()
                 self.last_step = max(self.last_step, step)
+                self.rank_steps[i] = max(self.rank_steps[i], step)
 
     def _signal_seen(self) -> bool:
-        """Whether strace's output shows the SIGTERM delivered (it writes each line as it happens)."""
+        """Whether strace's output shows the signal (`Stop.signal`) delivered (it writes each line as
+        it happens)."""
         for i, trace_file in enumerate(self.trace_files):
             if self.signalled_at is not None:
                 break
@@ -128,11 +135,23 @@ class Watchdog:
             except OSError:
                 continue
             self.trace_offsets[i] = start + len(chunk)
-            if b"--- SIGTERM " in chunk:
+            if f"--- SIG{self.stop.signal} ".encode() in chunk:
                 self.signalled_at = time.monotonic()
-                if self.on_signal is not None:
-                    self.on_signal()
+                if self.on_signal is not None and self.stop.signal != "STOP":   # a stopped rank stays alone
+                    self.on_signal(getattr(signal, f"SIG{self.stop.signal}"))
         return self.signalled_at is not None
+
+    def _a_peer_exited(self) -> bool:
+        """Whether a process of the job (not its agent, not a tracer) present when the SIGSTOP was
+        seen has exited since: a rank noticed its stopped peer (a collective timed out) and the job
+        is ending. The stopped rank cannot exit (only SIGKILL ends a stopped process)."""
+        if self.root is None:
+            return False
+        alive = set(process_tree(self.root)) - {self.root}
+        if self.peers is None:
+            self.peers = {pid for pid in alive if _comm(pid) != "strace"}
+            return False
+        return bool(self.peers - alive)
 
     def problem(self) -> str | None:
         self._read_steps()
@@ -140,8 +159,22 @@ class Watchdog:
         if self.stop.after_step is not None and self.last_step >= self.stop.after_step:
             self.planned = f"stopped by the suite after it logged step {self.last_step}"
             return self.planned
+        if self.stop.signal == "STOP" and self._signal_seen():
+            if self._a_peer_exited():
+                self.planned = (f"a process of the job exited {now - self.signalled_at:.1f} s after one rank was "
+                                "stopped (SIGSTOP): the job noticed")
+                return self.planned
+            if sum(step >= total for step in self.rank_steps) >= len(self.logs) - 1:
+                # The others trained to the end and wait only for their launcher: no collective is
+                # left that could notice the stopped rank, and the run's work is done.
+                self.planned = (f"every other rank had logged its last step {now - self.signalled_at:.1f} s after one "
+                                "rank was stopped (SIGSTOP): nothing left to wait for")
+                return self.planned
         if self.stop.grace_s is not None and self._signal_seen() and now - self.signalled_at > self.stop.grace_s:
-            self.planned = f"SIGKILLed {self.stop.grace_s:g} s after SIGTERM (still running at the end of the grace period)"
+            self.planned = (f"SIGKILLed {self.stop.grace_s:g} s after SIG{self.stop.signal} (still running at the end "
+                            "of the grace period)")
+            if self.stop.signal == "STOP" and self.root is not None:   # a hang: say where everyone waited
+                self.planned += "; where each process was:\n" + where(process_tree(self.root))
             return self.planned
         if self.last_step > total:
             return f"ran past CONFORMANCE_TOTAL_STEPS (logged step {self.last_step} of {total})"
@@ -166,3 +199,9 @@ class Watchdog:
         return None
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

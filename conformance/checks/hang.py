@@ -1,0 +1,62 @@
+"""hang: one rank of a multi-rank job frozen inside a save (SIGSTOP, as a deadlocked framework, a
+stuck NFS call or a swapped-out node looks from outside). Its peers wait in a collective for it.
+
+- The job must notice and end: some rank gives up (its collective's timeout) and exits, and
+  torchrun stops the rest, within --hang-timeout (default 30 s) of the stop. The trainer is told a
+  third of that in CONFORMANCE_HANG_TIMEOUT, for its process group's timeout; one that sets none
+  waits for ever (gloo's default is 30 minutes), which the suite reports as a hang, with the time
+  it waited, and ends itself.
+- Then the stopped rank is killed with the rest, and the next start (with no hint) must resume
+  from at least the newest checkpoint committed before the stop and match the baseline.
+"""
+from __future__ import annotations
+
+from ..faults.injection import run_fault
+from ..model import evidence
+from ..model.crash import CrashPoint
+from ..model.process import RunSpec
+from ..run.runners import Stop
+from .common import resumed_from
+from .failures import format_mismatches, loss_mismatches, stderr_tail
+from .session import Session
+
+HINT_SHARE = 1 / 3   # the share of --hang-timeout the trainer is told to wait for a peer
+
+
+def hang(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
+    baseline = session.baseline(spec)
+    told = round(session.hang_timeout * HINT_SHARE, 1)
+    outcome = run_fault(session.runner, session.adapter, spec, point, "signal=STOP", session.case_dir("hang"),
+                        baseline, stop=Stop(grace_s=session.hang_timeout, signal="STOP"),
+                        stable=session.stable_paths(spec), faulted_spec=spec.but(hang_timeout=told))
+    kill, first, final = outcome.planned, outcome.first, outcome.final
+    where = (f"  fault: SIGSTOP at {kill.text}" + (f", inside the save of step {kill.in_progress}" if kill.in_progress
+                                                  else "") + f"; newest committed checkpoint then: step "
+             f"{kill.newest_committed}\n  CONFORMANCE_HANG_TIMEOUT={told:g} was set for the job; --hang-timeout="
+             f"{session.hang_timeout:g}\n")
+    evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault="SIGSTOP",
+                                   first_exit=first.returncode, went_on="still running" in first.stopped,
+                                   resumed_from=outcome.resumed_from, final_exit=final.returncode))
+    case = {"point": str(point), "hang_timeout": f"{session.hang_timeout:g}"}
+    if "still running" in first.stopped:
+        raise session.fail(check, spec, f"the job hung: still running {session.hang_timeout:g} s after one rank was "
+                           "stopped, and no rank gave up (a process group without a timeout? gloo's default is 30 "
+                           "minutes); the suite killed it",
+                           details=where + "  " + first.stopped.partition("; ")[2] + "\n  stderr:\n"
+                           + stderr_tail(first.stderr), case=case)
+    r = outcome.resumed_from
+    problem = None
+    if final.returncode != 0:
+        problem = f"after the stopped rank was killed, the next start could not resume (exit {final.returncode})"
+    elif r < kill.newest_committed:
+        problem = (f"after the stopped rank was killed, the next start resumed {resumed_from(r)}, older than the "
+                   f"checkpoint of step {kill.newest_committed} committed before the stop")
+    else:
+        rows = loss_mismatches(baseline.losses, final.losses, session.tol)
+        if rows and not (r > 0 and session.same_as_plain_resume(spec, r, final.losses)):
+            problem = (f"after the stopped rank was killed, the next start resumed from step {r} and diverges: the "
+                       "job committed a checkpoint the stopped rank never finished\n  first differing steps:\n"
+                       + format_mismatches(rows))
+    if problem:
+        raise session.fail(check, spec, problem, details=where + f"  the job: {first.stopped or 'exited'}\n  stderr:\n"
+                           + stderr_tail(final.stderr), case=case)

@@ -1,0 +1,126 @@
+"""Which checkpoints a trainer's own retention keeps, learned from its recorded uninterrupted run,
+and the directory a second fault leaves: a kill or a power cut inside a save, then the newest
+committed checkpoint damaged (`compound_state`).
+
+A checkpoint of step s is told by the files its save left that no other save writes (a shared
+`latest` pointer or a rewritten index says nothing about s); it is present in a directory when
+each of them is there with the bytes the save left. What retention promised after committing
+step N is what was present right after N's save ended in the uninterrupted run."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..trace.recording import RecordedRun
+from . import powerloss
+from .crash_states import Replayer, save_files
+
+MODELS = ("kill", "power")
+_WRITES = frozenset({"create", "write", "copy", "truncate", "rename", "link", "symlink"})
+
+
+def own_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
+    """Step s -> the files of its checkpoint that no other save writes, with their bytes (empty:
+    a checkpoint that cannot be told apart, such as one file overwritten by every save)."""
+    finals = save_files(run)
+    written: dict[int, set[str]] = {}   # what each save put bytes or names at (not what it deleted)
+    for i in run.mutations:
+        op = run.ops[i]
+        if op.save and op.kind in _WRITES:
+            written.setdefault(op.save, set()).add(op.target if op.kind in ("rename", "link") else op.path)
+    out = {}
+    for s, files in finals.items():
+        others = set().union(*(w for t, w in written.items() if t != s))
+        out[s] = {p: b for p, b in files.items() if p not in others}
+    return out
+
+
+def present(files: dict[str, bytes | bytearray], own: dict[str, bytes]) -> bool:
+    return bool(own) and all(p in files and bytes(files[p]) == b for p, b in own.items())
+
+
+def kept_after_commits(run: RecordedRun) -> dict[int, tuple[int, ...]]:
+    """Save step N -> the older checkpoints present right after N's save ended (its retention
+    done): what the trainer's retention promised to keep beside N."""
+    own = own_files(run)
+    ends = {idxs[-1]: s for s, idxs in run.windows().items() if s}
+    replayer, out = Replayer(), {}
+    for op in run.ops:
+        replayer.apply(op)
+        if op.index in ends:
+            n = ends[op.index]
+            out[n] = tuple(s for s in sorted(own) if s < n and present(replayer.files, own[s]))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CompoundState:
+    """A fault just before op `before`, then every own file of checkpoint `damaged` truncated to
+    half its length. `promised`: the newest older checkpoint retention kept beside it (0: none);
+    `promised_intact`: whether the fault left it whole."""
+
+    model: str                       # "kill" or "power" (powerloss's `data` model)
+    before: int
+    damaged: int
+    promised: int
+    in_progress: int | None
+    in_progress_whole: bool          # the interrupted save's own files are all final already
+    files: tuple[str, ...]
+    promised_intact: bool = True
+
+    @property
+    def label(self) -> str:
+        return str(self.before)
+
+
+def candidates(run: RecordedRun, model: str = "kill") -> list[int]:
+    """Op indices a compound fault can land before: mutations inside a save after which a
+    committed checkpoint is left whole to damage (a power cut may leave none: nothing fsynced).
+    One replay of the run."""
+    own = own_files(run)
+    ends = sorted((idxs[-1], s) for s, idxs in run.windows().items() if s)
+    inside = [i for i in run.mutations if run.ops[i].save and run.committed_before(i)]
+    if model == "power":
+        states = {i: cut.files for i, cut in powerloss.cuts(run, "data") if i in set(inside)}
+    else:
+        states, replayer, wanted = {}, Replayer(), set(inside)
+        for op in run.ops:
+            if op.index in wanted:
+                states[op.index] = {p: bytes(b) for p, b in replayer.files.items() if not p.startswith("/")}
+            replayer.apply(op)
+    return [i for i in inside
+            if any(end < i and present(states[i], own.get(s, {})) for end, s in ends)]
+
+
+def compound_state(run: RecordedRun, model: str, before: int) -> tuple[CompoundState, dict[str, bytes], set[str],
+                                                                       dict[str, str]] | None:
+    """The state and the directory (files, directories, symlinks) it leaves, damage applied; None
+    when no committed checkpoint is present there to damage."""
+    own = own_files(run)
+    if model == "kill":
+        replayer = Replayer()
+        for op in run.ops[:before]:
+            replayer.apply(op)
+        files = {p: bytes(b) for p, b in replayer.files.items() if not p.startswith("/")}
+        dirs = {d for d in replayer.dirs if not d.startswith("/")}
+        links = dict(replayer.symlinks)
+    else:
+        cut = powerloss.cut_before(run, "data", before)
+        files, dirs, links = dict(cut.files), set(cut.dirs), dict(cut.symlinks)
+    ended = [s for s, idxs in run.windows().items() if s and idxs[-1] < before]
+    damaged = max((s for s in ended if present(files, own.get(s, {}))), default=0)
+    if not damaged:
+        return None
+    kept = [s for s in kept_after_commits(run).get(damaged, ()) if s != damaged]
+    promised = max(kept, default=0)
+    intact = not promised or present(files, own[promised])
+    for p in own[damaged]:
+        files[p] = files[p][: len(files[p]) // 2]
+    m = run.ops[before].save or None
+    state = CompoundState(model, before, damaged, promised, m, bool(m) and present(files, own.get(m, {})),
+                          tuple(sorted(own[damaged])), intact)
+    return state, files, dirs, links
+
+
+def materialize(files: dict[str, bytes], dirs: set[str], links: dict[str, str], directory: Path) -> None:
+    powerloss.Cut(files, dirs, links, {}, {}).materialize(directory)
