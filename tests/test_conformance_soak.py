@@ -110,6 +110,15 @@ def test_the_command_carries_the_trainer_world_size_profile_seed_and_report(tmp_
     assert cmd[-2:] == ["-n", "auto"]
 
 
+def test_select_keeps_a_campaign_to_some_checks_in_every_run_and_its_replays(tmp_path):
+    plan = planned("--adapter", REF, "--select", "interrupt or hang", tmp_path=tmp_path)
+    cmd = plan.command(plan.trainers[0], 1)
+    assert cmd[cmd.index("-k") + 1] == "interrupt or hang"
+    replay = plan.command(plan.trainers[0], 1, select="test_hang")   # a failure's replay: just its check
+    assert replay[replay.index("-k") + 1] == "test_hang"
+    assert "-k" not in planned("--adapter", REF, tmp_path=tmp_path).command(soak.Trainer(adapter=REF), 1)
+
+
 def test_a_fixed_run_uses_the_profile_itself_and_no_seed():
     cmd = soak.build_command(soak.Trainer(adapter=REF), profile="quick", workers="0", python="PY")
     assert cmd == ["PY", "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",

@@ -109,6 +109,8 @@ def add_arguments(so: argparse.ArgumentParser) -> None:
                     help="run N CPU burner processes beside the runs (CI-like load)")
     so.add_argument("--workers", type=_workers, default="auto", help="pytest-xdist -n value ('0' for none)")
     so.add_argument("--out", help="directory for the runs' reports (default: a new temporary directory)")
+    so.add_argument("--select", default=None, metavar="EXPR",
+                    help="only the checks pytest's -k EXPR selects (e.g. 'interrupt or hang'); default: every check")
 
 
 def run_seed(campaign: int, run: int) -> int:
@@ -152,6 +154,7 @@ class Plan:
     workers: str
     load: int
     out_dir: Path
+    select: str | None = None    # pytest -k: only these checks (e.g. the ones a change touched)
 
     def seed(self, run: int) -> int | None:
         return run_seed(self.campaign_seed, run) if self.random else None
@@ -163,6 +166,7 @@ class Plan:
         return f"{fixed} (fixed)" if fixed is not None else "unseeded"
 
     def command(self, trainer: Trainer, run: int, **extra) -> list[str]:
+        extra.setdefault("select", self.select)
         return build_command(trainer, profile=self.profile, seed=self.seed(run), world_size=self.world_size,
                              workers=self.workers, **extra)
 
@@ -191,7 +195,7 @@ def plan(args, *, check_trainer: Callable[[Trainer, str | None], None] | None = 
     campaign_seed = args.seed if args.seed is not None else (secrets.randbits(32) if args.random else None)
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="conformance-soak-"))
     return Plan(trainers, args.runs, args.profile, args.random, campaign_seed, args.world_size, args.workers,
-                args.load, out_dir)
+                args.load, out_dir, getattr(args, "select", None))
 
 
 def _check_trainer(trainer: Trainer, world_size: str | None) -> None:
