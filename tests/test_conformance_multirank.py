@@ -13,6 +13,7 @@ import pytest
 
 from conformance.model.crash import CrashPoint, parse_schedule
 from conformance.model.process import RunSpec, rank_log, read_job_losses
+from conformance.run import launch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,9 +50,9 @@ def _env(**extra) -> dict:
     return env
 
 
-def test_torchrun_missing_is_one_usage_error(tmp_path):
-    # This interpreter itself (a symlink to it elsewhere would leave its venv), with a PATH that has no
-    # torchrun: not the interpreter's bin directory.
+def test_torchrun_is_this_interpreters_module_so_no_torchrun_on_path_is_needed(tmp_path):
+    # This interpreter itself, with a PATH that has no torchrun (an environment that is not
+    # activated): the job is launched as `python -m torch.distributed.run` and collects.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "conformance",
@@ -59,8 +60,15 @@ def test_torchrun_missing_is_one_usage_error(tmp_path):
                           cwd=tmp_path, env=_env(PATH=f"{bin_dir}:/usr/bin:/bin"), capture_output=True, text=True,
                           timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 4, out[-3000:]
-    assert "torchrun is not on PATH" in out and "Traceback" not in out
+    assert proc.returncode == 0, out[-3000:]
+    assert "usage error" not in out and "Traceback" not in out, out[-3000:]
+    assert launch.fresh_argv(("python", "-m", "t"), 2, 1234)[:3] == [sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_a_torch_without_distributed_is_one_usage_error(monkeypatch):
+    monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(launch.LaunchError, match="cannot import torch.distributed.run"):
+        launch.torchrun_program()
 
 
 def test_a_rendezvous_port_in_use_is_one_usage_error(run_pytest):

@@ -119,6 +119,33 @@ def test_select_keeps_a_campaign_to_some_checks_in_every_run_and_its_replays(tmp
     assert "-k" not in planned("--adapter", REF, tmp_path=tmp_path).command(soak.Trainer(adapter=REF), 1)
 
 
+def test_shards_of_one_campaign_draw_disjoint_runs_that_together_are_the_whole_campaign(tmp_path):
+    whole = planned("--random", "--seed", "7", "--runs", "6", tmp_path=tmp_path)
+    shards = [planned("--random", "--seed", "7", "--runs", "2", "--shard", f"{i}/3", tmp_path=tmp_path)
+              for i in (1, 2, 3)]
+    drawn = [p.seed(k) for p in shards for k in (1, 2)]
+    assert len(set(drawn)) == 6 and set(drawn) == {whole.seed(k) for k in range(1, 7)}
+    assert shards[1].campaign_run(2) == 5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shard", "1/2"], "--shard splits one --random campaign"),
+    (["--random", "--shard", "1/2"], "--shard splits one --random campaign"),
+])
+def test_a_shard_without_a_shared_campaign_seed_is_a_usage_error(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.setattr(soak, "run_pytest", lambda cmd, run_dir: pytest.fail(f"a run started: {cmd}"))
+    assert main(["soak", "--adapter", REF, *argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shard", ["3/2", "0/2", "2", "a/b"])
+def test_a_malformed_shard_is_a_usage_error(capsys, shard):
+    with pytest.raises(SystemExit) as exc:
+        main(["soak", "--random", "--seed", "1", "--shard", shard])
+    assert exc.value.code == 2
+    assert "argument --shard: must be i/N with 1 <= i <= N" in capsys.readouterr().err
+
+
 def test_a_fixed_run_uses_the_profile_itself_and_no_seed():
     cmd = soak.build_command(soak.Trainer(adapter=REF), profile="quick", workers="0", python="PY")
     assert cmd == ["PY", "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",

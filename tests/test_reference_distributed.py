@@ -6,8 +6,8 @@ fixtures/ddp_async_trainer.py in tests/test_conformance_gate.py)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -95,14 +95,14 @@ def test_a_checkpoint_without_its_manifest_is_never_loaded(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_reference_distributed_skips_a_damaged_checkpoint_on_every_rank(tmp_path):
     def job(total: int) -> subprocess.CompletedProcess:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                    CONFORMANCE_CKPT_DIR=str(tmp_path / "ckpt"), CONFORMANCE_TOTAL_STEPS=str(total),
                    CONFORMANCE_SAVE_EVERY="3", CONFORMANCE_SEED="0", CONFORMANCE_LOSS_LOG=str(tmp_path / "loss"),
                    OMP_NUM_THREADS="1")
-        return subprocess.run(["torchrun", "--standalone", "--nproc-per-node=2", "-m", "fixtures.ddp_trainer"],
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               "-m", "fixtures.ddp_trainer"],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     first = job(10)
     assert first.returncode == 0, first.stderr[-3000:]

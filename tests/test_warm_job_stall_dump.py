@@ -41,7 +41,6 @@ STALLS_AFTER_STEP_1 = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun")
 def test_a_stalled_warm_job_says_where_each_process_was(tmp_path):
     script = tmp_path / "stalls.py"
     script.write_text(STALLS_AFTER_STEP_1)

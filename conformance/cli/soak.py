@@ -10,6 +10,10 @@ example database). The suite fixes the seed of the `quick` and `ci` profiles by 
 (settings.SEEDED_PROFILES), which overrides `--hypothesis-seed`; the variant's name is not in
 that table, so the seed decides the draws. The pytest command loads this module as a plugin
 (`-p conformance.cli.soak`) so that the variant exists there; that is also in every replay line.
+
+A campaign spread over N machines: each runs `--random --seed S --shard i/N` with the same S; its
+run k is the campaign's run (k-1)*N + i, so the machines' draws never repeat each other, and every
+failure's replay line carries its own --hypothesis-seed.
 """
 from __future__ import annotations
 
@@ -83,6 +87,13 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
 
 
+def _shard(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"must be i/N with 1 <= i <= N (e.g. 2/8), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def _workers(text: str) -> str:
     if text in ("auto", "logical") or (text.isdigit()):
         return text
@@ -109,6 +120,9 @@ def add_arguments(so: argparse.ArgumentParser) -> None:
                     help="run N CPU burner processes beside the runs (CI-like load)")
     so.add_argument("--workers", type=_workers, default="auto", help="pytest-xdist -n value ('0' for none)")
     so.add_argument("--out", help="directory for the runs' reports (default: a new temporary directory)")
+    so.add_argument("--shard", type=_shard, default=None, metavar="i/N",
+                    help="this machine's slice of a --random campaign spread over N machines (1 <= i <= N): its "
+                         "run k is the campaign's run (k-1)*N+i; every machine gives the same --seed")
     so.add_argument("--select", default=None, metavar="EXPR",
                     help="only the checks pytest's -k EXPR selects (e.g. 'interrupt or hang'); default: every check")
 
@@ -155,9 +169,17 @@ class Plan:
     load: int
     out_dir: Path
     select: str | None = None    # pytest -k: only these checks (e.g. the ones a change touched)
+    shard: tuple[int, int] | None = None   # (i, N): this machine's slice of a campaign over N machines
+
+    def campaign_run(self, run: int) -> int:
+        """The campaign's number for this machine's run `run` (1-based)."""
+        if self.shard is None:
+            return run
+        i, n = self.shard
+        return (run - 1) * n + i
 
     def seed(self, run: int) -> int | None:
-        return run_seed(self.campaign_seed, run) if self.random else None
+        return run_seed(self.campaign_seed, self.campaign_run(run)) if self.random else None
 
     def seed_text(self, run: int) -> str:
         if self.random:
@@ -180,6 +202,10 @@ def plan(args, *, check_trainer: Callable[[Trainer, str | None], None] | None = 
     if args.random and args.profile not in PROFILES:
         raise SoakUsageError(f"--random needs one of the suite's profiles ({', '.join(PROFILES)}), "
                              f"got --profile={args.profile!r}")
+    shard = getattr(args, "shard", None)
+    if shard is not None and (not args.random or args.seed is None):
+        raise SoakUsageError("--shard splits one --random campaign over machines: give every machine --random and "
+                             "the same --seed N (without them each machine would draw the same or unrelated runs)")
     if args.seed is not None and not args.random:
         raise SoakUsageError("--seed sets the draws of a --random campaign; add --random "
                              f"(without it, the '{args.profile}' profile's own draws are used)")
@@ -195,7 +221,7 @@ def plan(args, *, check_trainer: Callable[[Trainer, str | None], None] | None = 
     campaign_seed = args.seed if args.seed is not None else (secrets.randbits(32) if args.random else None)
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="conformance-soak-"))
     return Plan(trainers, args.runs, args.profile, args.random, campaign_seed, args.world_size, args.workers,
-                args.load, out_dir, getattr(args, "select", None))
+                args.load, out_dir, getattr(args, "select", None), shard)
 
 
 def _check_trainer(trainer: Trainer, world_size: str | None) -> None:
@@ -286,6 +312,10 @@ def campaign(plan: Plan, run: Callable[[list[str], Path], Outcome] | None = None
     run = run or run_pytest
     what = (f"the '{plan.profile}{RANDOM_SUFFIX}' profile, campaign seed {plan.campaign_seed} "
             f"(--random --seed {plan.campaign_seed} replays it)" if plan.random else f"the '{plan.profile}' profile")
+    if plan.shard is not None:
+        what += (f", shard {plan.shard[0]}/{plan.shard[1]} (campaign runs "
+                 f"{', '.join(str(plan.campaign_run(k)) for k in range(1, min(plan.runs, 4) + 1))}"
+                 f"{', ...' if plan.runs > 4 else ''})")
     out(f"soak: {plan.runs} run(s) x {len(plan.trainers)} trainer(s), {what}, {plan.load} burner(s); "
         f"at start: {load_text()}", flush=True)
     rows, failures = [], []

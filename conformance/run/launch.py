@@ -11,7 +11,8 @@ stop the others (SIGTERM, then SIGKILL) and exit non-zero, as a production job d
 gets the suite's CONFORMANCE_* variables; torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.
 
 Two ways to run the same launcher:
-- fresh: the `torchrun` program, with `python -m conformance.run.rank` as the entry point of every
+- fresh: torchrun as `python -m torch.distributed.run` (this interpreter's: no PATH lookup, so an
+  environment that is not activated works), with `python -m conformance.run.rank` as the entry point of every
   rank (`--no-python`): it sends the rank's stderr to its own file and execs the trainer's
   command, under strace when the suite traces that rank;
 - warm: torchrun's own argument parser and `elastic_launch` (what the `torchrun` program calls),
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib.util
 import json
-import shutil
 import socket
 import sys
 from pathlib import Path
@@ -49,14 +50,19 @@ class JobConfig:
     port: int | None = None
 
 
-def torchrun_program() -> str:
-    """The `torchrun` program, or LaunchError naming what is missing."""
-    exe = shutil.which("torchrun")
-    if exe is None:
-        raise LaunchError("torchrun is not on PATH: a multi-rank trainer (world size > 1) is launched with "
-                          "torchrun\n  fix: install torch in this environment (it provides torchrun) or put its "
-                          "bin directory on PATH")
-    return exe
+def torchrun_program() -> list[str]:
+    """torchrun as this interpreter runs it, `python -m torch.distributed.run` (what the `torchrun`
+    script does): an environment that is not activated, whose bin directory is not on PATH, works
+    too. LaunchError if this interpreter's torch has no torch.distributed."""
+    try:
+        found = importlib.util.find_spec("torch.distributed.run") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise LaunchError(f"{sys.executable} cannot import torch.distributed.run: a multi-rank trainer (world size > 1) "
+                          "is launched with torchrun\n  fix: install a torch built with torch.distributed in this "
+                          "environment")
+    return [sys.executable, "-m", "torch.distributed.run"]
 
 
 def free_port() -> int:
@@ -84,7 +90,7 @@ def torchrun_flags(world_size: int, port: int) -> list[str]:
 
 def fresh_argv(trainer_argv: list[str] | tuple[str, ...], world_size: int, port: int) -> list[str]:
     """The torchrun command line of a job in fresh interpreters."""
-    return [torchrun_program(), *torchrun_flags(world_size, port), "--no-python", sys.executable, "-m",
+    return [*torchrun_program(), *torchrun_flags(world_size, port), "--no-python", sys.executable, "-m",
             "conformance.run.rank", *trainer_argv]
 
 
