@@ -204,3 +204,25 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+# -- synthetic fault outcomes: checks judged as pure functions ------------------------------------
+def judged_fixture():
+    """(SPEC, BASELINE, POINT, KILL): a 14-step run saving every 3 steps, a baseline curve, and a
+    fault at write #4 of the save of step 9, with the save of step 6 committed before it."""
+    from conformance.faults.delivery import PlannedKill
+    from conformance.model.crash import CrashPoint
+    from conformance.model.process import RunSpec
+    point = CrashPoint("save", 9, op=4)
+    return (RunSpec(14, 3, 0), {k: 1.0 / k for k in range(1, 15)}, point,
+            PlannedKill(point, "write", 12, "write #4 of the save of step 9", 20, 6, 9, 9))
+
+
+def resumed_curve(baseline: dict[int, float], after: int, *, bent_at: int | None = None) -> dict[int, float]:
+    """The baseline's losses after step `after` (a resume from it), off from step `bent_at` on."""
+    return {k: v * (2 if bent_at and k >= bent_at else 1) for k, v in baseline.items() if k > after}
+
+
+def never_plain(step, losses) -> bool:
+    """`same_as_plain` for a judge: no plain resume ever matches."""
+    return False

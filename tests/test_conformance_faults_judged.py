@@ -7,19 +7,15 @@ import pytest
 from conformance.checks import preemption, storage
 from conformance.faults.delivery import PlannedKill
 from conformance.faults.injection import FaultOutcome
-from conformance.model.crash import CrashPoint
-from conformance.model.process import ProcessResult, RunSpec
+from conformance.model.process import ProcessResult
+from tests.strategies import judged_fixture, never_plain, resumed_curve
 
-SPEC = RunSpec(14, 3, 0)
-BASELINE = {k: 1.0 / k for k in range(1, 15)}
-POINT = CrashPoint("save", 9, op=4)
 # The fault hit write #4 of the save of step 9; the save of step 6 was committed before it.
-KILL = PlannedKill(POINT, "write", 12, "write #4 of the save of step 9", 20, 6, 9, 9)
+SPEC, BASELINE, POINT, KILL = judged_fixture()
 
 
 def curve(after: int, *, bent_at: int | None = None) -> dict[int, float]:
-    """The baseline's losses after step `after` (a resume from it), off from step `bent_at` on."""
-    return {k: v * (2 if bent_at and k >= bent_at else 1) for k, v in BASELINE.items() if k > after}
+    return resumed_curve(BASELINE, after, bent_at=bent_at)
 
 
 def outcome(first: ProcessResult, final: ProcessResult, kill: PlannedKill = KILL) -> FaultOutcome:
@@ -32,10 +28,6 @@ def failed(code: int = 1, stderr: str = "OSError: [Errno 28] No space left on de
 
 def resumed(after: int, **kw) -> ProcessResult:
     return ProcessResult(0, curve(after, **kw), "")
-
-
-def never_plain(step, losses):
-    return False
 
 
 def io(o: FaultOutcome, synced_badly: str | None = None, same_as_plain=never_plain):

@@ -8,25 +8,17 @@ from pathlib import Path
 import pytest
 
 from conformance.checks import compound, interrupt, lifecycle
-from conformance.faults.delivery import PlannedKill
 from conformance.faults.injection import FaultOutcome
-from conformance.model.crash import CrashPoint
-from conformance.model.process import ProcessResult, RunSpec
+from conformance.model.process import ProcessResult
 from conformance.offline import retained
 from conformance.trace.recording import Op, RecordedRun
+from tests.strategies import judged_fixture, never_plain, resumed_curve
 
-SPEC = RunSpec(14, 3, 0)
-BASELINE = {k: 1.0 / k for k in range(1, 15)}
-POINT = CrashPoint("save", 9, op=4)
-KILL = PlannedKill(POINT, "write", 12, "write #4 of the save of step 9", 20, 6, 9, 9)
+SPEC, BASELINE, POINT, KILL = judged_fixture()
 
 
 def curve(after: int, *, bent_at: int | None = None) -> dict[int, float]:
-    return {k: v * (2 if bent_at and k >= bent_at else 1) for k, v in BASELINE.items() if k > after}
-
-
-def never_plain(step, losses):
-    return False
+    return resumed_curve(BASELINE, after, bent_at=bent_at)
 
 
 # -- interrupt --------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..faults.injection import FaultOutcome, run_fault
 from ..model import evidence
-from ..model.crash import Schedule, format_schedule
+from ..model.crash import CrashPoint, Schedule, format_schedule
 from ..model.process import RunSpec, copy_checkpoint_dir
+from ..run.runners import Stop
 from ..trace.recording import RecordedRun
 from .plots import plot_name, plot_resume
 from .session import Session
@@ -61,3 +63,23 @@ def copy_prefix(session: Session, spec: RunSpec, name: str, check: str) -> tuple
         raise session.fail(check, spec, f"could not tell which files make up the checkpoint of step {stop}: "
                            "the save after logging that step wrote no file under CONFORMANCE_CKPT_DIR")
     return d, files, stop
+
+
+def signal_fault(session: Session, check: str, spec: RunSpec, point: CrashPoint, stop: Stop, *,
+                 faulted_spec: RunSpec | None = None) -> tuple[FaultOutcome, str]:
+    """A signal (`stop.signal`: TERM, INT, STOP) delivered at `point`, then a fresh start; the
+    outcome, recorded as evidence, and the `fault:` line its failure message starts with."""
+    name = f"SIG{stop.signal}"
+    outcome = run_fault(session.runner, session.adapter, spec, point, f"signal={stop.signal}",
+                        session.case_dir(name.lower()), session.baseline(spec), stop=stop,
+                        stable=session.stable_paths(spec), faulted_spec=faulted_spec)
+    kill, first = outcome.planned, outcome.first
+    # went on: still running when the suite stopped it (for a frozen rank: at the end of --hang-timeout)
+    went_on = "still running" in first.stopped if stop.signal == "STOP" else bool(first.stopped)
+    evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault=name,
+                                   first_exit=first.returncode, went_on=went_on, resumed_from=outcome.resumed_from,
+                                   final_exit=outcome.final.returncode))
+    where = (f"  fault: {name} at {kill.text}" + (f", inside the save of step {kill.in_progress}" if kill.in_progress
+                                                  else "") + f"; newest committed checkpoint then: step "
+             f"{kill.newest_committed}\n")
+    return outcome, where

@@ -22,7 +22,7 @@ import dataclasses
 
 from ..model.process import RunSpec
 from ..run.forkserver import warm_target
-from .failures import loss_mismatches
+from .failures import loss_mismatches, step_ranges
 from .session import Session
 
 
@@ -128,8 +128,8 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
     matching = sorted(k for k, ok in ran.items() if ok)
     failing = sorted(k for k, ok in ran.items() if not ok)
     if ran:
-        evidence.append(f"stopped at each step and resumed: matches from {_steps(matching) or 'no step'}, "
-                        f"differs from {_steps(failing) or 'no step'}")
+        evidence.append(f"stopped at each step and resumed: matches from {step_ranges(matching) or 'no step'}, "
+                        f"differs from {step_ranges(failing) or 'no step'}")
     r = resumed_from if 0 < resumed_from < spec.total_steps else (failing[len(failing) // 2] if failing else 0)
     seed_dependent = None
     if r:
@@ -166,7 +166,7 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
     if first_differs is True:
         if period is not None:
             return Diagnosis(f"the data position within an epoch: resumes match only when stopped at "
-                             f"{_steps(matching)}, every {period} steps (epoch boundaries, presumably), and the first "
+                             f"{step_ranges(matching)}, every {period} steps (epoch boundaries, presumably), and the first "
                              "resumed step differs, so a mid-epoch resume does not continue with the right batch",
                              tuple(evidence))
         if matching:
@@ -182,14 +182,3 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
                          "matches and later ones differ", tuple(evidence))
     return Diagnosis("cannot tell", tuple(evidence))
 
-
-def _steps(steps: list[int]) -> str:
-    """`[1, 2, 3, 5]` -> "steps 1-3, 5"."""
-    if not steps:
-        return ""
-    runs, start = [], steps[0]
-    for a, b in zip(steps, steps[1:] + [None]):
-        if b != a + 1:
-            runs.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ("step " if len(steps) == 1 else "steps ") + ", ".join(runs)

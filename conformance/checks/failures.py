@@ -87,6 +87,19 @@ def fail(check: str, adapter: TrainerAdapter, spec: RunSpec, problem: str, *, de
     return ConformanceFailure("\n".join(lines))
 
 
+def step_ranges(steps) -> str:
+    """`[1, 2, 3, 5]` -> "steps 1-3, 5"; "" for none."""
+    steps = sorted(steps)
+    if not steps:
+        return ""
+    runs, start = [], steps[0]
+    for a, b in zip(steps, steps[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(runs)
+
+
 def stderr_tail(text: str, n: int = 6) -> str:
     tail = [line for line in text.strip().splitlines() if line.strip()][-n:]
     return "\n".join("    | " + line for line in tail) if tail else "    | (no stderr)"

@@ -11,12 +11,10 @@ stuck NFS call or a swapped-out node looks from outside). Its peers wait in a co
 """
 from __future__ import annotations
 
-from ..faults.injection import run_fault
-from ..model import evidence
 from ..model.crash import CrashPoint
 from ..model.process import RunSpec
 from ..run.runners import Stop
-from .common import resumed_from
+from .common import resumed_from, signal_fault
 from .failures import format_mismatches, loss_mismatches, stderr_tail
 from .session import Session
 
@@ -26,17 +24,10 @@ HINT_SHARE = 1 / 3   # the share of --hang-timeout the trainer is told to wait f
 def hang(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
     baseline = session.baseline(spec)
     told = round(session.hang_timeout * HINT_SHARE, 1)
-    outcome = run_fault(session.runner, session.adapter, spec, point, "signal=STOP", session.case_dir("hang"),
-                        baseline, stop=Stop(grace_s=session.hang_timeout, signal="STOP"),
-                        stable=session.stable_paths(spec), faulted_spec=spec.but(hang_timeout=told))
+    outcome, fault = signal_fault(session, check, spec, point, Stop(grace_s=session.hang_timeout, signal="STOP"),
+                                  faulted_spec=spec.but(hang_timeout=told))
     kill, first, final = outcome.planned, outcome.first, outcome.final
-    where = (f"  fault: SIGSTOP at {kill.text}" + (f", inside the save of step {kill.in_progress}" if kill.in_progress
-                                                  else "") + f"; newest committed checkpoint then: step "
-             f"{kill.newest_committed}\n  CONFORMANCE_HANG_TIMEOUT={told:g} was set for the job; --hang-timeout="
-             f"{session.hang_timeout:g}\n")
-    evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault="SIGSTOP",
-                                   first_exit=first.returncode, went_on="still running" in first.stopped,
-                                   resumed_from=outcome.resumed_from, final_exit=final.returncode))
+    where = fault + f"  CONFORMANCE_HANG_TIMEOUT={told:g} was set for the job; --hang-timeout={session.hang_timeout:g}\n"
     case = {"point": str(point), "hang_timeout": f"{session.hang_timeout:g}"}
     if "still running" in first.stopped:
         raise session.fail(check, spec, f"the job hung: still running {session.hang_timeout:g} s after one rank was "

@@ -17,20 +17,12 @@ from ..model import evidence
 from ..model.process import ProcessResult, RunSpec
 from ..run.runners import traced_run
 from .common import plot_mismatch
-from .failures import format_mismatches, loss_mismatches, stderr_tail
+from .failures import format_mismatches, loss_mismatches, stderr_tail, step_ranges
 from .session import Session
 
 
-def _steps(losses: dict[int, float]) -> str:
-    steps = sorted(losses)
-    if not steps:
-        return "no step"
-    runs, start = [], steps[0]
-    for prev, cur in zip(steps, steps[1:] + [None]):
-        if cur != prev + 1:
-            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = cur
-    return "step" + ("s " if len(steps) > 1 else " ") + ", ".join(runs)
+def _steps(losses) -> str:
+    return step_ranges(losses) or "no step"
 
 
 def _start_again(session: Session, spec: RunSpec, tag: str) -> ProcessResult:

@@ -15,31 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..faults.injection import FaultOutcome, run_fault
-from ..model import evidence
+from ..faults.injection import FaultOutcome
 from ..model.crash import CrashPoint
 from ..model.process import RunSpec
 from ..run.runners import Stop
-from .common import resumed_from
+from .common import resumed_from, signal_fault
 from .failures import format_mismatches, loss_mismatches, stderr_tail
 from .session import Session
 
 
 def preemption(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
-    baseline = session.baseline(spec)
-    outcome = run_fault(session.runner, session.adapter, spec, point, "signal=TERM", session.case_dir("preempt"),
-                        baseline, stop=Stop(grace_s=session.grace_s), stable=session.stable_paths(spec))
-    kill, first, final = outcome.planned, outcome.first, outcome.final
-    where = (f"SIGTERM at {kill.text}" + (f", inside the save of step {kill.in_progress}" if kill.in_progress else "")
-             + f"; newest committed checkpoint then: step {kill.newest_committed}")
-    evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault="SIGTERM",
-                                   first_exit=first.returncode, went_on=bool(first.stopped),
-                                   resumed_from=outcome.resumed_from, final_exit=final.returncode))
-    found = judge(outcome, baseline.losses, session.tol, saves_on_term=session.adapter.has("preemption_save"),
+    outcome, where = signal_fault(session, check, spec, point, Stop(grace_s=session.grace_s))
+    found = judge(outcome, session.baseline(spec).losses, session.tol, saves_on_term=session.adapter.has("preemption_save"),
                   grace_s=session.grace_s, same_as_plain=lambda r, losses: session.same_as_plain_resume(spec, r, losses))
     if found is not None:
         problem, details = found
-        raise session.fail(check, spec, problem, details=f"  fault: {where}\n" + details, case={"point": str(point)})
+        raise session.fail(check, spec, problem, details=where + details, case={"point": str(point)})
 
 
 def judge(outcome: FaultOutcome, baseline: dict[int, float], tol: float, *, saves_on_term: bool, grace_s: float,
