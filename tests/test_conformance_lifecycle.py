@@ -130,6 +130,16 @@ def test_a_kill_after_an_early_prune_leaves_the_promised_checkpoint_missing():
     assert "ckpt-3.pt" not in files and len(files["ckpt-6.pt"]) == 3   # gone; the damaged one cut in half
 
 
+def test_a_fault_in_the_retention_after_a_commit_damages_that_new_checkpoint():
+    # The save of step 9 has written and renamed its file; its retention (unlinking step 3) is what
+    # the fault interrupts: step 9 is the newest committed checkpoint, and retention keeps 6 beside it.
+    run = _run(_save(3) + _save(6) + _save(9, prune=3))
+    prune = next(op.index for op in run.ops if op.save == 9 and op.kind == "unlink")
+    s, files, _, _ = retained.compound_state(run, "kill", prune)
+    assert (s.damaged, s.promised, s.in_progress, s.promised_intact) == (9, 6, None, True)
+    assert len(files["ckpt-9.pt"]) == 4 and files["ckpt-6.pt"] == b"x" * 6
+
+
 def test_the_steps_a_restart_trained_are_named_as_ranges():
     assert lifecycle._steps({1: 0, 2: 0, 3: 0, 7: 0}) == "steps 1-3, 7"
     assert lifecycle._steps({5: 0}) == "step 5"

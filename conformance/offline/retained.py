@@ -78,7 +78,6 @@ def candidates(run: RecordedRun, model: str = "kill") -> list[int]:
     committed checkpoint is left whole to damage (a power cut may leave none: nothing fsynced).
     One replay of the run."""
     own = own_files(run)
-    ends = sorted((idxs[-1], s) for s, idxs in run.windows().items() if s)
     inside = [i for i in run.mutations if run.ops[i].save and run.committed_before(i)]
     if model == "power":
         states = {i: cut.files for i, cut in powerloss.cuts(run, "data") if i in set(inside)}
@@ -88,8 +87,16 @@ def candidates(run: RecordedRun, model: str = "kill") -> list[int]:
             if op.index in wanted:
                 states[op.index] = {p: bytes(b) for p, b in replayer.files.items() if not p.startswith("/")}
             replayer.apply(op)
-    return [i for i in inside
-            if any(end < i and present(states[i], own.get(s, {})) for end, s in ends)]
+    return [i for i in inside if _committed_here(run, i, states[i], own)]
+
+
+def _committed_here(run: RecordedRun, before: int, files, own: dict[int, dict[str, bytes]]) -> list[int]:
+    """The saves whose checkpoint is there, whole, just before op `before`: those whose save ended
+    earlier, and the one in progress once all its own files are final (it has committed; the rest
+    of its save is retention or syncs)."""
+    m = run.ops[before].save
+    return [s for s, idxs in run.windows().items() if s and (idxs[-1] < before or s == m)
+            and present(files, own.get(s, {}))]
 
 
 def compound_state(run: RecordedRun, model: str, before: int) -> tuple[CompoundState, dict[str, bytes], set[str],
@@ -107,18 +114,18 @@ def compound_state(run: RecordedRun, model: str, before: int) -> tuple[CompoundS
     else:
         cut = powerloss.cut_before(run, "data", before)
         files, dirs, links = dict(cut.files), set(cut.dirs), dict(cut.symlinks)
-    ended = [s for s, idxs in run.windows().items() if s and idxs[-1] < before]
-    damaged = max((s for s in ended if present(files, own.get(s, {}))), default=0)
+    damaged = max(_committed_here(run, before, files, own), default=0)
     if not damaged:
         return None
     kept = [s for s in kept_after_commits(run).get(damaged, ()) if s != damaged]
     promised = max(kept, default=0)
     intact = not promised or present(files, own[promised])
+    m = run.ops[before].save or None
+    m = None if m == damaged else m      # the save in progress had committed: it is the one damaged
+    whole = bool(m) and present(files, own.get(m, {}))
     for p in own[damaged]:
         files[p] = files[p][: len(files[p]) // 2]
-    m = run.ops[before].save or None
-    state = CompoundState(model, before, damaged, promised, m, bool(m) and present(files, own.get(m, {})),
-                          tuple(sorted(own[damaged])), intact)
+    state = CompoundState(model, before, damaged, promised, m, whole, tuple(sorted(own[damaged])), intact)
     return state, files, dirs, links
 
 
