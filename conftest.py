@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -127,12 +128,14 @@ def run_pytest(tmp_path):
 def run_suite(tmp_path):
     """run_suite(*args) -> ({test name: (outcome, message)}, console output): the conformance suite
     run as a team does, `pytest --pyargs conformance`, verdicts read from its JUnit XML."""
-    def run(*args: str) -> tuple[dict[str, tuple[str, str]], str]:
+    def run(*args: str, sigint_ignored: bool = False) -> tuple[dict[str, tuple[str, str]], str]:
+        """`sigint_ignored`: start it as a shell starts a background job (SIGINT ignored)."""
         xml = tmp_path / "junit.xml"
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
              f"--junitxml={xml}", f"--basetemp={tmp_path / 'suite'}", "-W", "ignore::DeprecationWarning", *args],
-            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500)
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500, preexec_fn=ignore)
         assert xml.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
         verdicts = {}
         for case in ET.parse(xml).getroot().iter("testcase"):

@@ -96,6 +96,7 @@ def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
     os.dup2(devnull, 1)
     err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(err, 2)
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C raises KeyboardInterrupt (runners.terminal_signals)
     import warnings
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
                             category=RuntimeWarning)

@@ -112,6 +112,16 @@ def _job_stderr(launcher: str, template: Path, world_size: int) -> str:
     return "\n".join(parts)
 
 
+def terminal_signals() -> None:
+    """Give this process the Ctrl-C disposition of a terminal's foreground process, so the trainer
+    processes it starts have it too: a shell starts background jobs (`cmd &`, some CI runners and
+    supervisors too) with SIGINT ignored, an exec keeps an ignored signal ignored, and Python then
+    installs no KeyboardInterrupt handler, so the interrupt check's SIGINT would do nothing.
+    Only from the main thread (signal.signal's rule); elsewhere it leaves things as they are."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class _Jobs:
     """What both runners do for a job: a free port per attempt (or the session's fixed one), and
     a new attempt when another process took the port first."""
@@ -135,6 +145,7 @@ class SubprocessRunner(_Jobs):
     """One fresh interpreter per trainer process (a job: the torchrun program)."""
 
     def __init__(self, limits: Limits | None = None, jobs: launch.JobConfig | None = None):
+        terminal_signals()
         self.limits = limits or Limits()
         self.jobs = jobs or launch.JobConfig()
 
@@ -197,6 +208,7 @@ class WarmRunner(_Jobs):
     interpreter."""
 
     def __init__(self, limits: Limits | None = None, jobs: launch.JobConfig | None = None):
+        terminal_signals()
         self._servers: dict = {}
         self.jobs = jobs or launch.JobConfig()
         self._fallback = SubprocessRunner(jobs=self.jobs)
