@@ -8,6 +8,7 @@ from ..model import evidence
 from ..model.crash import CrashPoint, Schedule, format_schedule
 from ..model.process import RunSpec, copy_checkpoint_dir
 from ..run.runners import Stop
+from ..run.watchdog import grace_expired
 from ..trace.recording import RecordedRun
 from .plots import plot_name, plot_resume
 from .session import Session
@@ -75,7 +76,7 @@ def signal_fault(session: Session, check: str, spec: RunSpec, point: CrashPoint,
                         stable=session.stable_paths(spec), faulted_spec=faulted_spec)
     kill, first = outcome.planned, outcome.first
     # went on: still running when the suite stopped it (for a frozen rank: at the end of --hang-timeout)
-    went_on = "still running" in first.stopped if stop.signal == "STOP" else bool(first.stopped)
+    went_on = grace_expired(first.stopped) if stop.signal == "STOP" else bool(first.stopped)
     evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault=name,
                                    first_exit=first.returncode, went_on=went_on, resumed_from=outcome.resumed_from,
                                    final_exit=outcome.final.returncode))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..model.crash import CrashPoint
 from ..model.process import RunSpec
 from ..run.runners import Stop
+from ..run.watchdog import grace_expired
 from .common import resumed_from, signal_fault
 from .failures import format_mismatches, loss_mismatches, stderr_tail
 from .session import Session
@@ -29,7 +30,7 @@ def hang(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint)
     kill, first, final = outcome.planned, outcome.first, outcome.final
     where = fault + f"  CONFORMANCE_HANG_TIMEOUT={told:g} was set for the job; --hang-timeout={session.hang_timeout:g}\n"
     case = {"point": str(point), "hang_timeout": f"{session.hang_timeout:g}"}
-    if "still running" in first.stopped:
+    if grace_expired(first.stopped):
         raise session.fail(check, spec, f"the job hung: still running {session.hang_timeout:g} s after one rank was "
                            "stopped, and no rank gave up (a process group without a timeout? gloo's default is 30 "
                            "minutes); the suite killed it",

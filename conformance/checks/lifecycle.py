@@ -14,8 +14,7 @@ Which checkpoint is newest is learned from the baseline's recording (its last sa
 from __future__ import annotations
 
 from ..model import evidence
-from ..model.process import ProcessResult, RunSpec
-from ..run.runners import traced_run
+from ..model.process import RunSpec
 from .common import plot_mismatch
 from .failures import format_mismatches, loss_mismatches, stderr_tail, step_ranges
 from .session import Session
@@ -25,17 +24,10 @@ def _steps(losses) -> str:
     return step_ranges(losses) or "no step"
 
 
-def _start_again(session: Session, spec: RunSpec, tag: str) -> ProcessResult:
-    """The trainer started on a copy of the directory the baseline left (its cold tier too)."""
-    baseline = session.baseline(spec)
-    return traced_run(session.runner, session.adapter, spec, session.case_dir(tag), tag=tag,
-                      prepare=baseline.ckpt_dir, trace=False).result
-
-
 def restart_after_finish(session: Session, check: str, spec: RunSpec, _param=None, _case=None) -> None:
     baseline = session.baseline(spec)
     newest = max(baseline.saves(), default=0)
-    again = _start_again(session, spec, "restart")
+    again = session.run_once(spec, "restart", prepare=baseline.ckpt_dir).result
     redone = {s: loss for s, loss in again.losses.items() if s <= newest}
     rows = loss_mismatches(baseline.losses, again.losses, session.tol)
     evidence.record(evidence.Fault(check=check, point=f"the end of the run (newest checkpoint: step {newest})",
@@ -74,8 +66,7 @@ def extended_total(spec: RunSpec) -> int:
 def extend_run(session: Session, check: str, spec: RunSpec, _param=None, _case=None) -> None:
     baseline = session.baseline(spec)
     longer = spec.but(total_steps=extended_total(spec))
-    fresh = traced_run(session.runner, session.adapter, longer, session.case_dir("longer"), tag="longer",
-                       trace=False).result
+    fresh = session.run_once(longer, "longer").result
     where = (f"  the first run trained to step {spec.total_steps} (newest checkpoint: step "
              f"{max(baseline.saves(), default=0)}); the second start set CONFORMANCE_TOTAL_STEPS="
              f"{longer.total_steps}\n")
@@ -84,8 +75,7 @@ def extend_run(session: Session, check: str, spec: RunSpec, _param=None, _case=N
         raise session.fail(check, spec, f"a fresh run to {longer.total_steps} steps "
                            + (f"exited {fresh.returncode}" if fresh.returncode else f"logged no loss for {missing[:5]}"),
                            details="  stderr:\n" + stderr_tail(fresh.stderr))
-    extended = traced_run(session.runner, session.adapter, longer, session.case_dir("extend"), tag="extend",
-                          prepare=baseline.ckpt_dir, trace=False).result
+    extended = session.run_once(longer, "extend", prepare=baseline.ckpt_dir).result
     new_steps = range(spec.total_steps + 1, longer.total_steps + 1)
     evidence.record(evidence.Fault(check=check, point=f"the end of a {spec.total_steps}-step run",
                                    planned="start with a larger total", fault=f"a start with {longer.total_steps} steps",

@@ -213,10 +213,17 @@ class Session:
                               self.case_dir("reads"), tag="resume", prepare=prefix.ckpt_dir).reads
         return self._cached(("reads", spec, at), compute)
 
+    def run_once(self, spec: RunSpec, tag: str, *, adapter: TrainerAdapter | None = None,
+                 prepare: Path | None = None) -> RecordedRun:
+        """One untraced run to the end (losses and exit only): of this trainer or `adapter` (the same
+        trainer in another environment), on a copy of `prepare` (a checkpoint directory) or fresh."""
+        return traced_run(self.runner, adapter or self.adapter, spec, self.case_dir(tag), tag=tag, prepare=prepare,
+                          trace=False)
+
     def other_baseline(self, spec: RunSpec, adapter: TrainerAdapter) -> RecordedRun:
         """The uninterrupted run in another environment (upgrade_resume), losses only."""
-        return self._cached(("other-baseline", spec, adapter.argv), lambda: traced_run(
-            self.runner, adapter, spec, self.case_dir("other-baseline"), tag="other", trace=False))
+        return self._cached(("other-baseline", spec, adapter.argv),
+                            lambda: self.run_once(spec, "other-baseline", adapter=adapter))
 
     def plain_resume_losses(self, spec: RunSpec, step: int) -> dict[int, float] | None:
         """Losses of a resume from the checkpoint of `step` after a plain kill between steps (no

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
-import shutil
 import subprocess
 import sys
 
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec
-from ..run.runners import traced_run
+from ..run.forkserver import python_interpreter
+from .common import resumed_from
 from .failures import CheckNotApplicable, format_mismatches, loss_mismatches, stderr_tail
 from .session import Session
 
@@ -38,8 +37,7 @@ _VERSIONS = ("import importlib.metadata as m, sys\n"
 def in_environment(adapter: TrainerAdapter, python: str) -> TrainerAdapter:
     """The same trainer started by another interpreter; CheckNotApplicable if its command does not
     start with a Python interpreter."""
-    exe = shutil.which(adapter.argv[0]) if adapter.argv else None
-    if exe is None or not os.path.basename(exe).startswith("python"):
+    if python_interpreter(adapter.argv) is None:
         raise CheckNotApplicable(f"the trainer command does not start a Python interpreter ({' '.join(adapter.argv[:2])}),"
                                  " so it cannot be started in another environment")
     return dataclasses.replace(adapter, argv=(python,) + tuple(adapter.argv[1:]))
@@ -63,55 +61,55 @@ def first_error(stderr: str) -> str:
     return (named or lines or ["(no stderr)"])[-1][:300]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Environment:
+    adapter: TrainerAdapter     # the trainer, started by this environment's interpreter
+    name: str                   # how messages name it
+    python: str
+
+    def describe(self) -> str:
+        return f"{self.name} ({versions(self.python)})"
+
+
 def upgrade_resume(session: Session, check: str, spec: RunSpec, param: str, _case=None) -> None:
     case = {"resume_python": session.resume_python}
-    here = session.adapter
-    there = in_environment(here, session.resume_python)
+    here = _Environment(session.adapter, "the suite's interpreter", sys.executable)
+    there = _Environment(in_environment(session.adapter, session.resume_python), session.resume_python,
+                         session.resume_python)
     saver, resumer = (here, there) if param == "rollback" else (there, here)
-    names = {id(here): "the suite's interpreter", id(there): session.resume_python}
     stop = spec.save_every * ((spec.total_steps - 1) // spec.save_every)
     if stop < 1:
         raise CheckNotApplicable(f"no save before step {spec.total_steps} to resume from")
-    saved = _run(session, saver, spec.but(total_steps=stop), f"{param}-save", None)
-    pythons = {id(here): sys.executable, id(there): session.resume_python}
-    where = (f"  saved under {names[id(saver)]} ({versions(pythons[id(saver)])}) up to step {stop}\n"
-             f"  resumed under {names[id(resumer)]} ({versions(pythons[id(resumer)])})\n")
+    saved = session.run_once(spec.but(total_steps=stop), f"{param}-save", adapter=saver.adapter)
+    where = f"  saved under {saver.describe()} up to step {stop}\n  resumed under {resumer.describe()}\n"
     if saved.result.returncode != 0:
-        raise session.fail(check, spec, f"the run that saves, under {names[id(saver)]}, exited "
+        raise session.fail(check, spec, f"the run that saves, under {saver.name}, exited "
                            f"{saved.result.returncode}: {first_error(saved.result.stderr)}",
                            details=where + "  stderr:\n" + stderr_tail(saved.result.stderr), case=case)
-    resumed = _run(session, resumer, spec, f"{param}-resume", saved.ckpt_dir).result
+    resumed = session.run_once(spec, f"{param}-resume", adapter=resumer.adapter, prepare=saved.ckpt_dir).result
     if resumed.returncode != 0:
-        raise session.fail(check, spec, f"resumed under {names[id(resumer)]} from a checkpoint saved under "
-                           f"{names[id(saver)]}, the trainer exited {resumed.returncode}: {first_error(resumed.stderr)}",
+        raise session.fail(check, spec, f"resumed under {resumer.name} from a checkpoint saved under "
+                           f"{saver.name}, the trainer exited {resumed.returncode}: {first_error(resumed.stderr)}",
                            details=where + "  stderr:\n" + stderr_tail(resumed.stderr), case=case)
     r = resumed.resumed_from(spec)
     if r != stop:
-        raise session.fail(check, spec, f"resumed under {names[id(resumer)]} {_from(r)}, not from the checkpoint of "
-                           f"step {stop} saved under {names[id(saver)]}: it refused or skipped it",
+        raise session.fail(check, spec, f"resumed under {resumer.name} {resumed_from(r)}, not from the checkpoint of "
+                           f"step {stop} saved under {saver.name}: it refused or skipped it",
                            details=where + "  stderr:\n" + stderr_tail(resumed.stderr), case=case)
-    baseline = session.baseline(spec).losses if resumer is here else session.other_baseline(spec, there).losses
-    rows = loss_mismatches(baseline, resumed.losses, session.tol)
-    if rows and not _same_as_own_resume(session, resumer, spec, stop, resumed, param):
-        raise session.fail(check, spec, f"resumed under {names[id(resumer)]} from step {stop} (saved under "
-                           f"{names[id(saver)]}), the losses differ from an uninterrupted run under "
-                           f"{names[id(resumer)]} and from a resume saved there too: the checkpoint does not carry "
+    baseline = session.baseline(spec) if resumer is here else session.other_baseline(spec, there.adapter)
+    rows = loss_mismatches(baseline.losses, resumed.losses, session.tol)
+    if rows and not _same_as_own_resume(session, resumer.adapter, spec, stop, resumed, param):
+        raise session.fail(check, spec, f"resumed under {resumer.name} from step {stop} (saved under "
+                           f"{saver.name}), the losses differ from an uninterrupted run under "
+                           f"{resumer.name} and from a resume saved there too: the checkpoint does not carry "
                            "its state across the change",
                            details=where + "  first differing steps:\n" + format_mismatches(rows), case=case)
-
-
-def _from(step: int) -> str:
-    return "from scratch" if step == 0 else f"from step {step}" if step > 0 else "without training"
-
-
-def _run(session: Session, adapter: TrainerAdapter, spec: RunSpec, tag: str, prepare):
-    return traced_run(session.runner, adapter, spec, session.case_dir(tag), tag=tag, prepare=prepare, trace=False)
 
 
 def _same_as_own_resume(session: Session, adapter: TrainerAdapter, spec: RunSpec, stop: int,
                         resumed: ProcessResult, param: str) -> bool:
     """Whether a resume saved and resumed in the resuming environment alone gives the same losses."""
-    own = _run(session, adapter, spec.but(total_steps=stop), f"{param}-own-save", None)
-    again = _run(session, adapter, spec, f"{param}-own-resume", own.ckpt_dir).result
+    own = session.run_once(spec.but(total_steps=stop), f"{param}-own-save", adapter=adapter)
+    again = session.run_once(spec, f"{param}-own-resume", adapter=adapter, prepare=own.ckpt_dir).result
     return again.returncode == 0 and not loss_mismatches(again.losses, resumed.losses, session.tol) \
         and set(resumed.losses) <= set(again.losses)

@@ -202,7 +202,7 @@ def plan(args, *, check_trainer: Callable[[Trainer, str | None], None] | None = 
     if args.random and args.profile not in PROFILES:
         raise SoakUsageError(f"--random needs one of the suite's profiles ({', '.join(PROFILES)}), "
                              f"got --profile={args.profile!r}")
-    shard = getattr(args, "shard", None)
+    shard = args.shard
     if shard is not None and (not args.random or args.seed is None):
         raise SoakUsageError("--shard splits one --random campaign over machines: give every machine --random and "
                              "the same --seed N (without them each machine would draw the same or unrelated runs)")
@@ -221,7 +221,7 @@ def plan(args, *, check_trainer: Callable[[Trainer, str | None], None] | None = 
     campaign_seed = args.seed if args.seed is not None else (secrets.randbits(32) if args.random else None)
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="conformance-soak-"))
     return Plan(trainers, args.runs, args.profile, args.random, campaign_seed, args.world_size, args.workers,
-                args.load, out_dir, getattr(args, "select", None), shard)
+                args.load, out_dir, args.select, shard)
 
 
 def _check_trainer(trainer: Trainer, world_size: str | None) -> None:

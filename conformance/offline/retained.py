@@ -15,7 +15,6 @@ from ..trace.recording import RecordedRun
 from . import powerloss
 from .crash_states import Replayer, save_files
 
-MODELS = ("kill", "power")
 _WRITES = frozenset({"create", "write", "copy", "truncate", "rename", "link", "symlink"})
 
 
@@ -39,10 +38,11 @@ def present(files: dict[str, bytes | bytearray], own: dict[str, bytes]) -> bool:
     return bool(own) and all(p in files and bytes(files[p]) == b for p, b in own.items())
 
 
-def kept_after_commits(run: RecordedRun) -> dict[int, tuple[int, ...]]:
+def kept_after_commits(run: RecordedRun, own: dict[int, dict[str, bytes]] | None = None) -> dict[int, tuple[int, ...]]:
     """Save step N -> the older checkpoints present right after N's save ended (its retention
-    done): what the trainer's retention promised to keep beside N."""
-    own = own_files(run)
+    done): what the trainer's retention promised to keep beside N. `own`: own_files(run), if
+    the caller has it already."""
+    own = own_files(run) if own is None else own
     ends = {idxs[-1]: s for s, idxs in run.windows().items() if s}
     replayer, out = Replayer(), {}
     for op in run.ops:
@@ -117,7 +117,7 @@ def compound_state(run: RecordedRun, model: str, before: int) -> tuple[CompoundS
     damaged = max(_committed_here(run, before, files, own), default=0)
     if not damaged:
         return None
-    kept = [s for s in kept_after_commits(run).get(damaged, ()) if s != damaged]
+    kept = [s for s in kept_after_commits(run, own).get(damaged, ()) if s != damaged]
     promised = max(kept, default=0)
     intact = not promised or present(files, own[promised])
     m = run.ops[before].save or None

@@ -69,11 +69,18 @@ def imports_same_torch(interpreter: str) -> bool:
     return bool(theirs) and theirs == ours
 
 
+def python_interpreter(argv) -> str | None:
+    """The Python interpreter a trainer command starts with (its path), or None if it starts another
+    program (a shell wrapper, a launcher)."""
+    exe = shutil.which(argv[0]) if argv else None
+    return exe if exe is not None and os.path.basename(exe).startswith("python") else None
+
+
 def warm_target(adapter: TrainerAdapter) -> tuple[WarmTarget | None, str]:
     """The target a warm server can fork for this adapter, or None and why not."""
     argv = list(adapter.argv)
-    exe = shutil.which(argv[0]) if argv else None
-    if not argv or exe is None or not os.path.basename(exe).startswith("python"):
+    exe = python_interpreter(argv)
+    if exe is None:
         return None, "the command does not start a Python interpreter"
     if not imports_same_torch(exe):
         return None, f"{argv[0]} does not import the torch this suite runs with"

@@ -15,6 +15,14 @@ from pathlib import Path
 from ..model.process import ProcessResult, RunSpec, rank_log
 from .proctree import TaskSample, process_tree, progressed, sample_tree, syscall_name, where  # noqa: F401  (TaskSample, progressed, syscall_name: re-exported)
 
+GRACE_EXPIRED = "still running at the end of the grace period"
+
+
+def grace_expired(stopped: str) -> bool:
+    """Whether a planned stop (ProcessResult.stopped) was the end of a grace period: the process
+    was still running, not stopped because it had done what was waited for."""
+    return GRACE_EXPIRED in stopped
+
 
 class ProcessOverran(Exception):
     """A trainer process broke a time or size limit and was killed; the message says which."""
@@ -71,7 +79,6 @@ class Watchdog:
         self.start = self.progress_at = time.monotonic()
         self.offsets = [0] * len(self.logs)
         self.partials = [b""] * len(self.logs)
-        self.last_step = 0
         self.rank_steps = [0] * len(self.logs)   # the last step each log (rank) showed
         self.planned: str | None = None
         self.signalled_at: float | None = None
@@ -118,7 +125,6 @@ class Watchdog:
                     continue
                 if step > self.last_step or self.last_step == 0:
                     self.progress_at = time.monotonic()
-                self.last_step = max(self.last_step, step)
                 self.rank_steps[i] = max(self.rank_steps[i], step)
 
     def _signal_seen(self) -> bool:
@@ -141,15 +147,21 @@ class Watchdog:
                     self.on_signal(getattr(signal, f"SIG{self.stop.signal}"))
         return self.signalled_at is not None
 
+    @property
+    def last_step(self) -> int:
+        """The newest step any log (rank) showed (0: none yet)."""
+        return max(self.rank_steps)
+
     def _a_peer_exited(self) -> bool:
         """Whether a process of the job (not its agent, not a tracer) present when the SIGSTOP was
         seen has exited since: a rank noticed its stopped peer (a collective timed out) and the job
-        is ending. The stopped rank cannot exit (only SIGKILL ends a stopped process)."""
-        if self.root is None:
+        is ending. The stopped rank cannot exit (only SIGKILL ends a stopped process). Read from
+        the progress samples of the job's processes (`_sample`), not a walk of /proc of its own."""
+        if self.tasks is None:
             return False
-        alive = set(process_tree(self.root)) - {self.root}
+        alive = {t.pid for t in self.tasks.values()}
         if self.peers is None:
-            self.peers = {pid for pid in alive if _comm(pid) != "strace"}
+            self.peers = {t.pid for t in self.tasks.values() if t.tid == t.pid and t.name != "strace"}
             return False
         return bool(self.peers - alive)
 
@@ -171,8 +183,7 @@ class Watchdog:
                                 "rank was stopped (SIGSTOP): nothing left to wait for")
                 return self.planned
         if self.stop.grace_s is not None and self._signal_seen() and now - self.signalled_at > self.stop.grace_s:
-            self.planned = (f"SIGKILLed {self.stop.grace_s:g} s after SIG{self.stop.signal} (still running at the end "
-                            "of the grace period)")
+            self.planned = f"SIGKILLed {self.stop.grace_s:g} s after SIG{self.stop.signal} ({GRACE_EXPIRED})"
             if self.stop.signal == "STOP" and self.root is not None:   # a hang: say where everyone waited
                 self.planned += "; where each process was:\n" + where(process_tree(self.root))
             return self.planned
@@ -198,10 +209,3 @@ class Watchdog:
                 return f"its strace output grew past {self.limits.trace_bytes} bytes (CONFORMANCE_TRACE_CAP)"
         return None
 
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
