@@ -3,6 +3,7 @@
     python -m conformance replay --adapter=pkg.mod:ADAPTER --check=no_lost_work[inside_save] \
         --total-steps=14 --save-every=3 --seed=0 --schedule=fs:7      # one case, from a failure message
     python -m conformance report conformance-report/report.json       # re-render a saved report
+    python -m conformance report --merge shard-1 shard-2 --out merged  # one report from a campaign's shards
     python -m conformance soak --runs 5                                # the ci profile N times ("no crying wolf")
     python -m conformance soak --runs 20 --random --seed 7 --load 2    # fresh seeded draws, under CPU load
     python -m conformance badge conformance-report/report.json         # SVG: the highest conformance level met
@@ -35,13 +36,14 @@ def _replay(args) -> int:
             return 2
         case = check.case.parse(text) if text is not None else None
     try:
-        adapter = resolve(args.adapter, args.trainer_cmd, world_size=args.world_size)
+        adapter = resolve(args.adapter, args.trainer_cmd, world_size=args.world_size, nnodes=args.nnodes)
     except AdapterError as exc:
         print(f"error: cannot use the trainer: {exc}", file=sys.stderr)
         return 2
     session = Session(adapter, tol=args.loss_tol, process_timeout=args.process_timeout, grace_s=args.grace_seconds,
                       resume_python=args.resume_python, hang_timeout=args.hang_timeout)
-    spec = RunSpec(args.total_steps, args.save_every, args.seed, adapter.world_size,
+    spec = RunSpec(args.total_steps, args.save_every, args.seed, adapter.world_size, nnodes=adapter.nnodes,
+                   node_local=adapter.has("node_local_storage"),
                    cold="file" if adapter.has("cold_tier") else None)
     try:
         result = check.decide(session, spec, param, case)
@@ -60,17 +62,48 @@ def _replay(args) -> int:
 
 def _report(args) -> int:
     from .report import report
+    if args.merge is not None:
+        return _merge(args)
+    if args.path is None:
+        print("error: name a report.json to render, or --merge the reports of a campaign's shards\n"
+              "  fix: python -m conformance report conformance-report/report.json", file=sys.stderr)
+        return 2
     try:
         loaded = report.load_report(args.path)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = report.render_markdown(loaded) if args.format == "markdown" else json.dumps(loaded.to_json(), indent=1) + "\n"
+    text = report.render_markdown(loaded) if args.format != "json" else json.dumps(loaded.to_json(), indent=1) + "\n"
     if args.out:
         Path(args.out).write_text(text)
     else:
         sys.stdout.write(text)
     return 1 if loaded.failed else 0
+
+
+def _merge(args) -> int:
+    from .report import merge
+    problem = ("--merge writes report.json, summary.md and the badge into a directory: give it --out DIR"
+               if not args.out else
+               f"{args.path} is given before --merge: every report to merge follows --merge"
+               if args.path is not None else
+               "--merge writes both formats (report.json and summary.md): --format is for rendering one report"
+               if args.format is not None else None)
+    if problem is not None:
+        print(f"error: {problem}\n  fix: python -m conformance report --merge SHARD_DIR... --out DIR", file=sys.stderr)
+        return 2
+    try:
+        merged = merge.merge_files(args.merge)
+        written = merge.write(merged, Path(args.out))
+    except merge.MergeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot write the merged report to {args.out}: {exc}\n  fix: --out a directory that can be "
+              "created and written", file=sys.stderr)
+        return 2
+    print(merge.describe(merged, written))
+    return 1 if merged.failed else 0
 
 
 def _soak(args) -> int:
@@ -89,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--trainer-cmd")
     rp.add_argument("--world-size", default=None, metavar="W",
                     help="run the trainer as W ranks under torchrun (default: the adapter's world_size, or 1)")
+    rp.add_argument("--nnodes", default=None, metavar="N",
+                    help="spread the ranks over N torchrun agents ('nodes'; default: the adapter's nnodes, or 1)")
     rp.add_argument("--check", required=True, metavar="ID", help="one of: " + ", ".join(all_check_ids()))
     rp.add_argument("--total-steps", type=int, required=True)
     rp.add_argument("--save-every", type=int, required=True)
@@ -101,10 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S, metavar="SECONDS")
     rp.add_argument("--resume-python", default=None, metavar="PATH", help="upgrade_resume: another environment's "
                     "Python interpreter")
-    rep = sub.add_parser("report", help="render a saved report.json (exit 1 if it holds failures)")
-    rep.add_argument("path", help="report.json written by --conformance-report")
-    rep.add_argument("--format", choices=("markdown", "json"), default="markdown")
-    rep.add_argument("--out", help="write here instead of stdout")
+    rep = sub.add_parser("report", help="render a saved report.json, or merge a campaign's (exit 1 if it holds "
+                         "failures)")
+    rep.add_argument("path", nargs="?", help="report.json written by --conformance-report")
+    rep.add_argument("--merge", nargs="+", metavar="DIR_OR_JSON",
+                     help="join the reports of a campaign's shards into one (a directory: its report.json, or each "
+                          "run's of a soak --out directory); writes report.json, summary.md and the badge to --out")
+    rep.add_argument("--format", choices=("markdown", "json"), default=None, help="default markdown")
+    rep.add_argument("--out", help="write here instead of stdout (with --merge: the directory to write to)")
     so = sub.add_parser("soak", help="run the gate N times against correct trainers; report any failure")
     add_soak_arguments(so)
     ba = sub.add_parser("badge", help="write an SVG badge stating the highest conformance level a report meets")

@@ -18,6 +18,7 @@ OPTIONS = {   # name -> (command-line flag, ini key)
     "grace_seconds": ("--grace-seconds", "conformance_grace_seconds"),
     "cold_url": ("--cold-url", "conformance_cold_url"),
     "world_size": ("--world-size", "conformance_world_size"),
+    "nnodes": ("--nnodes", "conformance_nnodes"),
     "rdzv_port": ("--rdzv-port", "conformance_rdzv_port"),
     "report": ("--conformance-report", "conformance_report"),
     "expected_failures": ("--expected-failures", "conformance_expected_failures"),
@@ -51,6 +52,9 @@ def add_options(parser) -> None:
                          "s3://bucket/prefix (the suite starts moto's S3 server on loopback for the run)")
     group.addoption("--world-size", default=None, metavar="W",
                     help="run the trainer as W ranks under torchrun (default: the adapter's world_size, or 1)")
+    group.addoption("--nnodes", default=None, metavar="N",
+                    help="spread the W ranks over N torchrun agents on this machine, one per 'node', meeting "
+                         "through c10d rendezvous (default: the adapter's nnodes, or 1)")
     group.addoption("--rdzv-port", default=None, metavar="PORT",
                     help="torchrun's rendezvous port for every job (default: a free port per job)")
     group.addoption("--conformance-report", default=None, metavar="DIR",

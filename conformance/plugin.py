@@ -19,7 +19,7 @@ import pytest
 from .checks import Session
 from .model import evidence
 from .model import settings as _settings  # noqa: F401  (registers the Hypothesis profiles)
-from .model.adapters import AdapterError, TrainerAdapter, checked_world_size, resolve
+from .model.adapters import AdapterError, TrainerAdapter, checked_shape, checked_world_size, resolve
 from .model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
 from .options import (  # noqa: F401
     DEFAULT_REPORT_DIR,
@@ -67,12 +67,12 @@ def conformance_session_for(request, tmp_path_factory):
     resume_python = resume_interpreter(config)
     hang_timeout = positive_seconds(config, "hang_timeout", DEFAULT_HANG_TIMEOUT_S)
 
-    def get(adapter=None, trainer_cmd=None, world_size=None) -> Session:
+    def get(adapter=None, trainer_cmd=None, world_size=None, nnodes=None) -> Session:
         if adapter is None and trainer_cmd is None:
             adapter, trainer_cmd = option(config, "adapter"), option(config, "trainer_cmd")
-        key = (repr(adapter), trainer_cmd, world_size)
+        key = (repr(adapter), trainer_cmd, world_size, nnodes)
         if key not in cache:
-            resolved = _resolve(config, adapter, trainer_cmd, world_size)
+            resolved = _resolve(config, adapter, trainer_cmd, world_size, nnodes)
             runner = SubprocessRunner(jobs=jobs) if option(config, "runner") == "fresh" else WarmRunner(jobs=jobs)
             plot_dir = Path(option(config, "report") or DEFAULT_REPORT_DIR).resolve() / "plots"
             nonlocal s3
@@ -91,17 +91,22 @@ def conformance_session_for(request, tmp_path_factory):
         s3.stop()
 
 
-def _resolve(config, adapter, trainer_cmd, world_size=None) -> TrainerAdapter:
+def _resolve(config, adapter, trainer_cmd, world_size=None, nnodes=None) -> TrainerAdapter:
     """The trainer named by a class attribute or the options; AdapterError if it cannot be loaded.
-    The world size: the --world-size option, else `world_size` (a class attribute), else the
-    adapter's own."""
+    The world size (and node count): the --world-size (--nnodes) option, else `world_size`
+    (`nnodes`) as a class attribute, else the adapter's own."""
     size = option(config, "world_size") or world_size
+    nodes = option(config, "nnodes") or nnodes
     if isinstance(adapter, TrainerAdapter):
-        return dataclasses.replace(adapter, world_size=checked_world_size(size, "--world-size")) if size else adapter
+        if size:
+            adapter = dataclasses.replace(adapter, world_size=checked_world_size(size, "--world-size"))
+        if nodes:
+            adapter = dataclasses.replace(adapter, nnodes=checked_world_size(nodes, "--nnodes", "nodes"))
+        return checked_shape(adapter)
     if adapter is not None and not isinstance(adapter, str):
         raise AdapterError(f"the adapter class attribute is {adapter!r}",
                            "set it to a 'package.module:attribute' string or a TrainerAdapter")
-    return resolve(adapter, trainer_cmd, rootdir=config.rootpath, world_size=size)
+    return resolve(adapter, trainer_cmd, rootdir=config.rootpath, world_size=size, nnodes=nodes)
 
 
 def _suite_requested(config) -> bool:
@@ -132,7 +137,7 @@ def pytest_pycollect_makeitem(collector, name, obj):
             problem = obj.conformance_problem()
             if problem is None and not obj.configured_by_options:
                 try:
-                    _resolve(collector.config, obj.adapter, obj.trainer_cmd, obj.world_size)
+                    _resolve(collector.config, obj.adapter, obj.trainer_cmd, obj.world_size, obj.nnodes)
                 except AdapterError as exc:
                     problem = f"{obj.__module__}.{obj.__qualname__}: {exc}"
             if problem:
@@ -154,7 +159,7 @@ class UsageErrors:
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):   # the controller (or a run without xdist): check once
         problem = unknown_ini_keys(config, {ini for _, ini in OPTIONS.values()}) \
-            or profile_problem(config.getoption("hypothesis_profile", None))
+            or profile_problem(config.getoption("hypothesis_profile", None)) or _settings.EXAMPLE_DB_PROBLEM
         if problem:
             raise pytest.UsageError(problem)
         config._conformance_adapter = None

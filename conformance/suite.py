@@ -24,7 +24,7 @@ from .faults.scenario import CrashNotLanded, CrashPointMissing
 from .model.process import RunSpec
 from .model.settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK
 
-ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd", "world_size")
+ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd", "world_size", "nnodes")
 
 
 def _profile_seed(test):
@@ -40,13 +40,14 @@ class ResumeConformance:
     adapter: ClassVar[object | None] = None
     trainer_cmd: ClassVar[str | None] = None
     world_size: ClassVar[int | None] = None   # ranks under torchrun (default: the adapter's, or 1)
+    nnodes: ClassVar[int | None] = None       # torchrun agents the ranks spread over (default: the adapter's, or 1)
     configured_by_options: ClassVar[bool] = False
 
     @pytest.fixture
     def session(self, conformance_session_for) -> Session:
         if self.configured_by_options and self.adapter is None and self.trainer_cmd is None:
-            return conformance_session_for(None, None, self.world_size)
-        return conformance_session_for(self.adapter, self.trainer_cmd, self.world_size)
+            return conformance_session_for(None, None, self.world_size, self.nnodes)
+        return conformance_session_for(self.adapter, self.trainer_cmd, self.world_size, self.nnodes)
 
     @classmethod
     def conformance_problem(cls) -> str | None:
@@ -71,7 +72,9 @@ class ResumeConformance:
 
 
 def _spec(session: Session, save_every: int = CADENCES[0]) -> RunSpec:
-    return RunSpec(session.adapter.total_steps, save_every, SEED, session.adapter.world_size,
+    adapter = session.adapter
+    return RunSpec(adapter.total_steps, save_every, SEED, adapter.world_size, nnodes=adapter.nnodes,
+                   node_local=adapter.has("node_local_storage"),
                    cold=session.cold if session.adapter.has("cold_tier") else None)
 
 

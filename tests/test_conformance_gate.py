@@ -62,13 +62,16 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
     loaded = load_object(adapter)
     if not loaded.legacy_samples:
         assert "adapter lacks capability 'legacy_samples'" in skipped.pop("test_schema_migration", "")
+    for test in [t for t in skipped if t.startswith("test_reshard[")]:
+        if not loaded.has("reshard"):
+            assert "adapter lacks capability 'reshard'" in skipped.pop(test)
     for check, capabilities in (("node_loss", ("cold_tier",)), ("branch_resume", ("resume_from",)),
                                 ("extend_run", ("extendable",)), ("demotion_safe", ("cold_tier", "resume_from"))):
         missing = [c for c in capabilities if not loaded.has(c)]
         if missing:
             assert f"adapter lacks capability '{missing[0]}'" in skipped.pop(f"test_{check}", "")
     if loaded.world_size < 2:   # the multi-rank checks skip, naming why
-        for check in ("rank_resume", "all_or_nothing", "reshard", "hang"):
+        for check in ("rank_resume", "all_or_nothing", "reshard", "hang", "elastic_restart"):
             for test in [t for t in skipped if t == f"test_{check}" or t.startswith(f"test_{check}[")]:
                 assert "needs a multi-rank trainer" in skipped.pop(test)
     for test in [t for t in skipped if t.startswith("test_upgrade_resume[")]:
@@ -76,6 +79,31 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
             assert "needs another Python environment" in skipped.pop(test)
     assert not skipped, skipped
     assert set(verdicts) == {f"test_{i}" for i in all_check_ids()}
+
+
+# 2 nodes x 2 ranks: two torchrun agents meeting through c10d rendezvous. The checks a job's shape
+# changes (where a kill or a node loss lands, who notices, a restart in place, a resume on another
+# shape); the offline checks (crash_states, power_loss, compound_faults, corruption) judge the
+# directory a job leaves whatever its shape, and ran whole for each of these trainers by hand and
+# in soak runs (issue 26's note): under `quick` on 2 cores crash_states alone takes 7 minutes here.
+MULTINODE = {
+    "fixtures.ddp_trainer:ADAPTER": "determinism or resume_matches or rank_resume or all_or_nothing or elastic_restart "
+                                    "or hang or reshard or preemption or interrupt",
+    "fixtures.real.dcp_trainer:ADAPTER": "determinism or resume_matches or rank_resume or all_or_nothing or "
+                                         "elastic_restart or reshard",
+    "fixtures.node_local_trainer:ADAPTER": "determinism or resume_matches or rank_resume or all_or_nothing or "
+                                           "elastic_restart or node_loss",
+}
+
+
+@pytest.mark.parametrize("adapter", sorted(MULTINODE))
+def test_multinode_trainer_passes_under_quick(run_suite, adapter):
+    verdicts, out = run_suite(f"--adapter={adapter}", "--world-size=4", "--nnodes=2", "--hypothesis-profile=quick",
+                              "-v", "-k", MULTINODE[adapter])
+    assert "4 ranks under torchrun on 2 nodes" in out, out[-3000:]
+    assert verdicts, out[-3000:]
+    bad = {name: v for name, v in verdicts.items() if v[0] != "passed"}
+    assert not bad, "\n\n".join(f"{n}: {m[:2000]}" for n, (_, m) in bad.items())
 
 
 def test_save_order_that_varies_is_named_in_both_runs(run_suite):

@@ -62,7 +62,8 @@ def test_torchrun_is_this_interpreters_module_so_no_torchrun_on_path_is_needed(t
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "usage error" not in out and "Traceback" not in out, out[-3000:]
-    assert launch.fresh_argv(("python", "-m", "t"), 2, 1234)[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert launch.fresh_argv(("python", "-m", "t"), RunSpec(14, 3, 0, 2), 1234)[:3] == [sys.executable, "-m",
+                                                                                  "torch.distributed.run"]
 
 
 def test_a_torch_without_distributed_is_one_usage_error(monkeypatch):

@@ -9,7 +9,10 @@
 - the wall time of the `ci` profile against the bundled trainer with `-n auto`, and whether that
   run covered every filesystem operation of a save (its crash_states evidence);
 - a 2-rank crash trial (the reference DDP trainer under torchrun, one rank killed inside the
-  middle save) against the single-process warm trial, and the `ci` wall time for that trainer.
+  middle save) against the single-process warm trial, and the `ci` wall time for that trainer;
+- a 2-node x 2-rank crash trial (the same trainer as 4 ranks on two torchrun agents meeting
+  through c10d rendezvous, node 1 lost inside the middle save) against the single-process warm
+  trial, alternating with it like the 2-rank one.
 
 `python -m conformance.bench --ab OLD_CHECKOUT [--rounds N] [--json]` measures instead the warm
 single-process crash trial of this checkout against the same trial run from an older checkout
@@ -20,7 +23,7 @@ ratios, with their spread) and the raw times. A measurement, never a pass/fail.
 
 Targets on 2 cores: trial_vs_import <= 0.1, script_trial_vs_import <= 0.1, integrity_states_per_min >= 1000,
 power_loss_states_per_min >= 1000, ci_profile_seconds <= 90, multirank_trial_vs_single <= 3.0,
-multirank_ci_profile_seconds <= 300.
+multirank_ci_profile_seconds <= 300, multinode_trial_vs_single <= 4.0.
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ from .ab import ab, format_ab, interleaved_trials, spread
 TARGETS = {"trial_vs_import": ("<=", 0.1), "script_trial_vs_import": ("<=", 0.1),
            "integrity_states_per_min": (">=", 1000.0),
            "power_loss_states_per_min": (">=", 1000.0), "ci_profile_seconds": ("<=", 90.0),
-           "multirank_trial_vs_single": ("<=", 3.0), "multirank_ci_profile_seconds": ("<=", 300.0)}
+           "multirank_trial_vs_single": ("<=", 3.0), "multirank_ci_profile_seconds": ("<=", 300.0),
+           "multinode_trial_vs_single": ("<=", 4.0)}
 MULTIRANK_ADAPTER = "fixtures.ddp_trainer:ADAPTER"
 _MARKER = "<!-- conformance-bench -->"
 
@@ -64,9 +68,12 @@ class TrialTimer:
     """Times one crash trial at a time on a prepared session (baseline recorded, one warm-up
     trial paid): the bundled trainer as `python -m module`, or with `script`, as `python
     train.py` (a script that calls the same trainer); with `multirank`, the 2-rank DDP trainer
-    with rank 1 killed."""
+    with rank 1 killed; with `multinode`, that trainer as 2 nodes x 2 ranks with node 1 lost."""
 
-    def __init__(self, runner_kind: str, workdir: Path, *, script: bool = False, multirank: bool = False):
+    def __init__(self, runner_kind: str, workdir: Path, *, script: bool = False, multirank: bool = False,
+                 multinode: bool = False):
+        import dataclasses
+
         from ..checks import Session
         from ..faults.strategies import first_in_save_point
         from ..model.adapters import command_adapter, resolve
@@ -80,15 +87,18 @@ class TrialTimer:
             path = workdir / "train.py"
             path.write_text("import sys\nfrom fixtures.reference_trainer import main\nsys.exit(main())\n")
             adapter = command_adapter(f"{sys.executable} {path}")
-        if multirank:
-            adapter = resolve(MULTIRANK_ADAPTER, None)
-        tag = f"{runner_kind}{'-script' if script else ''}{'-multirank' if multirank else ''}"
+        if multirank or multinode:
+            adapter = resolve(MULTIRANK_ADAPTER, None, **({"world_size": 4, "nnodes": 2} if multinode else {}))
+        tag = f"{runner_kind}{'-script' if script else ''}{'-multirank' if multirank else ''}" \
+              f"{'-multinode' if multinode else ''}"
         self.session = Session(adapter, workdir / tag, runner=runner)
         try:
-            self.spec = RunSpec(TOTAL_STEPS, 3, SEED, adapter.world_size)
+            self.spec = RunSpec(TOTAL_STEPS, 3, SEED, adapter.world_size, nnodes=adapter.nnodes)
             baseline = self.session.baseline(self.spec)
-            rank = 1 if multirank else None
+            rank = 2 if multinode else 1 if multirank else None
             self.point = first_in_save_point(baseline.rank_view(rank or 0), rank)
+            if multinode:
+                self.point = dataclasses.replace(self.point, node=1)
             self.once()   # warm-up: the fork server's imports are paid once
         except BaseException:
             self.session.close()
@@ -188,17 +198,22 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         load_before = os.getloadavg()[0]
         import_s, import_all = bare_import_seconds(repeats)
         # The single-process and the 2-rank warm trials alternate, and their ratio is judged per pair.
-        single, ranks = TrialTimer("warm", tmp_path), None
+        single, ranks, nodes = TrialTimer("warm", tmp_path), None, None
         try:
             ranks = TrialTimer("warm", tmp_path, multirank=True)
             warm_all, ranks_all = interleaved_trials(single, ranks, repeats)
-            point, ranks_point = str(single.point), str(ranks.point)
+            ranks.close()
+            nodes = TrialTimer("warm", tmp_path, multinode=True)
+            warm_for_nodes, nodes_all = interleaved_trials(single, nodes, repeats)
+            point, ranks_point, nodes_point = str(single.point), str(ranks.point), str(nodes.point)
         finally:
             single.close()
-            if ranks is not None:
-                ranks.close()
+            for timer in (ranks, nodes):
+                if timer is not None:
+                    timer.close()
         warm_s, ranks_s = statistics.median(warm_all), statistics.median(ranks_all)
         pair_ratios = [m / w for m, w in zip(ranks_all, warm_all)]
+        node_ratios = [m / w for m, w in zip(nodes_all, warm_for_nodes)]
         script_s, script_all, _ = trial_seconds("warm", repeats, tmp_path, script=True)
         fresh_s, fresh_all, _ = trial_seconds("fresh", fresh_repeats, tmp_path)
         per_min, n_states, states_s = states_per_minute(tmp_path)
@@ -214,14 +229,18 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         "ci_profile_seconds": ci["seconds"] if ci else None,
         "multirank_trial_vs_single": statistics.median(pair_ratios),
         "multirank_ci_profile_seconds": ranks_ci["seconds"] if ranks_ci else None,
+        "multinode_trial_vs_single": statistics.median(node_ratios),
         "details": {
+            "multinode_trial_s": statistics.median(nodes_all), "multinode_trial_schedule": nodes_point,
+            "multinode_trial_vs_single_spread": list(spread(node_ratios)),
             "multirank_trial_s": ranks_s, "multirank_trial_schedule": ranks_point, "multirank_ci": ranks_ci,
             "multirank_trial_vs_single_spread": list(spread(pair_ratios)),
             "bare_import_torch_s": import_s, "warm_trial_s": warm_s, "script_trial_s": script_s,
             "fresh_trial_s": fresh_s,
             "fresh_vs_warm": fresh_s / warm_s, "trial_schedule": point,
             "all_times_s": {"import": import_all, "warm_trial": warm_all, "script_trial": script_all,
-                            "fresh_trial": fresh_all, "multirank_trial": ranks_all},
+                            "fresh_trial": fresh_all, "multirank_trial": ranks_all,
+                            "warm_trial_beside_multinode": warm_for_nodes, "multinode_trial": nodes_all},
             "crash_states": n_states, "crash_states_seconds": states_s,
             "power_loss_states": n_power, "power_loss_seconds": power_s,
             "state_workers": int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1),
@@ -278,6 +297,10 @@ def format_markdown(r: dict[str, Any], command: str) -> str:
     rows.append(("`multirank_ci_profile_seconds`", "not run" if r["multirank_ci_profile_seconds"] is None
                  else f"{r['multirank_ci_profile_seconds']:.1f}", "<= 300",
                  f"`ci` against `{MULTIRANK_ADAPTER}` with `-n auto`: {mci.get('summary', '--no-ci')}"))
+    lo, hi = d.get("multinode_trial_vs_single_spread") or (r["multinode_trial_vs_single"],) * 2
+    rows.append(("`multinode_trial_vs_single`", f"{r['multinode_trial_vs_single']:.2f}", "<= 4.0",
+                 f"2-node x 2-rank trial ({d['multinode_trial_schedule']}) {d['multinode_trial_s'] * 1000:.0f} ms / "
+                 f"single-process warm trial, alternating; median of the per-pair ratios, spread {lo:.2f}..{hi:.2f}"))
     met = r["targets_met"]
     lines = ["| measure | value | target | met | how |", "|---|---:|---:|:---:|---|"]
     for (name, value, target, how), key in zip(rows, TARGETS):

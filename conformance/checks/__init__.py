@@ -13,13 +13,16 @@
 | compound.py | compound_faults |
 | upgrade.py | upgrade_resume |
 | hang.py | hang |
+| elastic.py | elastic_restart |
 | ranks.py | rank_resume, all_or_nothing, reshard |
 | damage.py | corruption_detected |
 | untrusted.py | untrusted_checkpoint |
 | tiers.py | node_loss, branch_resume, demotion_safe |
+| nodes.py | node_loss |
 | legacy.py | schema_migration |
 
-Shared by them: session.py (one trainer's baselines and work directories), common.py (loss
+node_loss has two cases: a cold tier (tiers.py) and node-local storage in a job of several nodes
+(nodes.py). Shared by them: session.py (one trainer's baselines and work directories), common.py (loss
 comparisons and plots), diagnosis.py (the likely cause of a resume that differs), registry.py
 (every check's id, capabilities, level and how its cases are drawn).
 """

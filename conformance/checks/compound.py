@@ -59,7 +59,12 @@ def compound_faults(session: Session, check: str, spec: RunSpec, param: str, bef
     if run.unreplayable:
         raise session.fail(check, spec, f"the recorded run cannot be replayed offline: {run.unreplayable}",
                            details="  (an unreplayable recording is reported, never passed)")
-    before = int(before) if before is not None else usable_states(run, param)[0]
+    usable = usable_states(run, param)
+    before = int(before) if before is not None else usable[0]
+    if before not in usable:   # a replayed label from another run of a trainer that changed since
+        shown = ", ".join(map(str, usable[:8])) + (" ..." if len(usable) > 8 else "")
+        raise CrashPointMissing(f"op #{before} is not a state this check can build here (a fault inside a save after "
+                                f"a committed one); the states of this run: {shown or 'none'}")
     try:
         built = retained.compound_state(run, _MODEL[param], before)
     except UnreplayableTrace as exc:

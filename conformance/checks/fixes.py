@@ -50,9 +50,14 @@ FIXES = {
     "untrusted_checkpoint":
         "load with torch.load(..., weights_only=True) (or safetensors), never with pickle or weights_only=False; "
         "keep non-tensor state in JSON",
+    "elastic_restart":
+        "make every start of a worker, a restart in place too (TORCHELASTIC_RESTART_COUNT > 0), look for the newest "
+        "committed checkpoint in the same place a new job does, and resume from it as any resume",
     "node_loss":
         "upload a checkpoint to the cold tier completely, verify it, then write its commit marker last; on a start "
-        "with an empty local directory, resume from the newest committed checkpoint in the cold tier",
+        "with an empty local directory, resume from the newest committed checkpoint in the cold tier. With "
+        "node-local storage: before the commit, copy each node's part to another node (a replica) or to shared "
+        "storage, and on a start restore every rank from whichever copy survives (reference.layouts.replicated)",
     "branch_resume":
         "resume from CONFORMANCE_RESUME_FROM into a new branch: write the new checkpoints beside the old line, "
         "never over it, and let retention keep what another branch needs",

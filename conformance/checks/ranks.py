@@ -13,8 +13,14 @@ from ..model.process import RunSpec, rank_log
 from ..run.runners import Tracing
 from ..trace import strace
 from .failures import describe_ranks, format_mismatches, loss_mismatches, max_abs_diff, rank_mismatches, stderr_tail
-from .schedules import describe_crashes, fail_trial, trial
+from .schedules import describe_crashes, trial
+from .schedules import fail_trial as _fail_trial
 from .session import Session
+
+
+def fail_trial(*args, **kwargs):
+    """A failure of a one-point check: its replay line names the point (`--point`)."""
+    return _fail_trial(*args, case="point", **kwargs)
 
 
 def rank_resume(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
@@ -23,7 +29,7 @@ def rank_resume(session: Session, check: str, spec: RunSpec, _param, point: Cras
     outcome = trial(session, check, spec, (point,))
     final = outcome.final
     if final.returncode != 0:
-        raise fail_trial(session, check, outcome, f"after rank {point.on_rank} was killed the next job exited "
+        raise fail_trial(session, check, outcome, f"after {point.stopped()} the next job exited "
                     f"{final.returncode}", describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(final.stderr))
     split = final.ranks_disagree()
     if split:
@@ -52,14 +58,14 @@ def all_or_nothing(session: Session, check: str, spec: RunSpec, _param, point: C
         complete = (f"the checkpoint of step {crash.kill.newest_committed} was complete on every rank"
                     if crash.kill.newest_committed else "no checkpoint was complete, so it should have started fresh")
         raise fail_trial(session, check, outcome,
-                    f"after rank {point.on_rank} was killed inside the save of step {crash.kill.in_progress}, the "
+                    f"after {point.stopped()} inside the save of step {crash.kill.in_progress}, the "
                     f"next job could not start (exit {final.returncode}); {complete}",
                     describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(final.stderr))
     allowed = crash.kill.allowed_resumes()
     if r > 0 and r not in allowed and r > crash.kill.newest_committed:
         raise fail_trial(session, check, outcome,
-                    f"the next job resumed from step {r}, a checkpoint not every rank had finished before rank "
-                    f"{point.on_rank} was killed (complete then: step {crash.kill.newest_committed})",
+                    f"the next job resumed from step {r}, a checkpoint not every rank had finished before "
+                    f"{point.stopped()} (complete then: step {crash.kill.newest_committed})",
                     describe_crashes(outcome))
     bad = rank_mismatches(session.baseline(spec).result, final, session.tol)
     if bad and r > 0 and session.same_as_plain_resume(spec, r, final.losses):
@@ -68,7 +74,7 @@ def all_or_nothing(session: Session, check: str, spec: RunSpec, _param, point: C
         return
     if bad:
         raise fail_trial(session, check, outcome,
-                    f"after rank {point.on_rank} was killed inside the save of step {crash.kill.in_progress}, the "
+                    f"after {point.stopped()} inside the save of step {crash.kill.in_progress}, the "
                     f"job resumed from step {r} and rank(s) {', '.join(str(k) for k, _ in bad)} left their curve: "
                     "it loaded state not every rank had committed (a mix of two steps' shards looks like this)",
                     describe_crashes(outcome) + "\n" + describe_ranks(bad, spec.world_size))
@@ -90,7 +96,7 @@ def reshard(session: Session, check: str, spec: RunSpec, direction: str, _case) 
     workdir = session.case_dir("reshard")
     ckpt = workdir / "ckpt"
     ckpt.mkdir()
-    first_spec = spec.but(world_size=saved_w, torchrun=True)
+    first_spec = spec.but(world_size=saved_w, torchrun=True, nnodes=spec.nnodes if saved_w > 1 else 1)
     # Rank 0 killed (by strace, exactly) as it logs the step after `done`: one step after the
     # baseline had the save of `step` committed on every rank (at once for a save done before the
     # next step is logged; later for one in flight across steps: learned from the recording).
@@ -109,7 +115,7 @@ def reshard(session: Session, check: str, spec: RunSpec, direction: str, _case) 
                            f"{first.returncode})",
                            details=("  first differing steps:\n" + format_mismatches(rows)) if rows else
                            "  stderr:\n" + stderr_tail(first.stderr))
-    second_spec = spec.but(world_size=resumed_w, torchrun=True)
+    second_spec = spec.but(world_size=resumed_w, torchrun=True, nnodes=spec.nnodes if resumed_w > 1 else 1)
     second = session.runner.run_process(session.adapter, second_spec, ckpt, workdir / "second-loss.jsonl")
     r = second.resumed_from(spec)
     evidence.record(evidence.Note(f"reshard[{direction}]: {how}: exit {second.returncode}, resumed from step {r}, "

@@ -14,17 +14,19 @@ from hypothesis import strategies as st
 
 from ..faults import strategies
 from ..faults.corrupt import KINDS
-from ..model.crash import ColdFault, CrashPoint, Schedule, format_schedule, parse_schedule
+from ..model.crash import ColdFault, CrashPoint, Schedule, bound, format_schedule, parse_schedule
 from ..model.process import RunSpec
 from ..run.runners import ProcessOverran
 from . import (
     compound,
     damage,
     determinism,
+    elastic,
     hang,
     interrupt,
     legacy,
     lifecycle,
+    nodes,
     power,
     preemption,
     ranks,
@@ -68,6 +70,10 @@ class Check:
     def decide(self, session: Session, spec: RunSpec, param: str | None = None, case: object = None) -> object:
         """Run the check once; raises ConformanceFailure with the report if it fails."""
         check_id = f"{self.id}[{param}]" if param else self.id
+        if isinstance(case, CrashPoint):
+            case = case.bound(spec.ranks_per_node)
+        elif isinstance(case, tuple) and all(isinstance(p, CrashPoint) for p in case):
+            case = bound(case, spec.ranks_per_node)
         try:
             return self._run(session, check_id, spec, param, case)
         except ConformanceFailure as exc:     # every failure ends with what to change
@@ -91,8 +97,24 @@ class Check:
 _SCHEDULE = CaseOption("schedule", "crash schedule, e.g. save:6/3,step:4", parse_schedule, required=True)
 _STATE = CaseOption("state", "one state, by label (e.g. 37, or 37t for a torn write)")
 _FILE = CaseOption("file", "one damaged file, relative to the checkpoint directory (e.g. pieces/3f2a...)")
-_COLD_OP = CaseOption("cold_op", "kill before this change to the cold tier (1-based; past the last: no kill)", int,
-                      required=True)
+def _parse_lost_at(text: str) -> int | CrashPoint:
+    text = text.strip()
+    return int(text) if text.isdigit() else CrashPoint.parse(text)
+
+
+_LOST_AT = CaseOption("lost_at", "where the node is lost: N, killed before the Nth change to the cold tier (1-based; "
+                      "past the last: no kill); or, with node-local storage in a job of several nodes, a node point "
+                      "such as save:6/3@node1", _parse_lost_at, required=True)
+
+
+def _node_loss(session: Session, check: str, spec: RunSpec, param, case) -> None:
+    """The cold-tier case (a number) or the multi-node case (a node point), by what was drawn."""
+    return (tiers.node_loss if isinstance(case, int) else nodes.node_loss)(session, check, spec, param, case)
+
+
+def _node_loss_cases(baseline) -> st.SearchStrategy:
+    spec = baseline.spec
+    return strategies.node_points(baseline) if spec.node_local and spec.nnodes >= 2 else tiers.kill_points(baseline)
 _COLD_FAULT = CaseOption("cold_fault", "a fault at a change to the cold tier: kill:N (die just before change N) or "
                          "garble:N (flip a byte of the object change N wrote)", ColdFault.parse, required=True)
 _POINT = CaseOption("point", "one fault point, e.g. save:6/3 or step:4", CrashPoint.parse, required=True)
@@ -184,12 +206,19 @@ CHECKS: tuple[Check, ...] = (
           "every rank's loss matches that rank's own uninterrupted curve (a rank whose RNG or data position "
           "was not restored is named even when rank 0 is fine)",
           "conformance/checks/ranks.py", ranks.rank_resume, needs=("trace", "multirank"), precondition="operations",
-          draw=lambda b, _: strategies.step_points(b), case=_POINT),
+          draw=lambda b, _: strategies.step_points(b, nodes=True), case=_POINT),
     Check("all_or_nothing",
           "one rank of a multi-rank job killed inside a save, at any operation of any rank: the next start "
           "uses only a checkpoint every rank finished (never a mix of two steps' shards), every rank from the "
           "same one, and every rank's loss matches its own uninterrupted curve",
           "conformance/checks/ranks.py", ranks.all_or_nothing, needs=("trace", "multirank"),
+          precondition="operations", draw=lambda b, _: strategies.save_end_points(b, nodes=True), case=_POINT),
+    Check("elastic_restart",
+          "one rank of a multi-rank job killed inside a save, the job launched with torchrun's --max-restarts=1: "
+          "torchrun restarts the workers in place (no new job), and they resume from at least the newest "
+          "checkpoint committed before the kill, every rank from the same one, each on its own uninterrupted "
+          "curve, and the job exits 0",
+          "conformance/checks/elastic.py", elastic.elastic_restart, needs=("trace", "multirank"),
           precondition="operations", draw=lambda b, _: strategies.save_end_points(b), case=_POINT),
     Check("hang",
           "one rank of a multi-rank job frozen (SIGSTOP) inside a save: the job notices (a rank's collective times "
@@ -215,9 +244,12 @@ CHECKS: tuple[Check, ...] = (
     Check("node_loss",
           "killed just before any change to the cold tier (an upload, a marker, a deletion; or not at all), then "
           "the checkpoint directory is wiped: the next start resumes from the cold tier, from at least the save "
-          "before the newest one logged before the kill, and matches the baseline",
-          "conformance/checks/tiers.py", tiers.node_loss, needs=("trace", "cold_tier"),
-          draw=lambda b, _: tiers.kill_points(b), case=_COLD_OP),
+          "before the newest one logged before the kill, and matches the baseline. With node-local storage in a "
+          "job of several nodes (`--nnodes`): a whole node lost inside a save or at a step, with its directory; "
+          "the next job resumes from what survives (a replica, the shared directory, the cold tier), from at "
+          "least the save before the newest committed one, and every rank matches",
+          "conformance/checks/tiers.py", _node_loss, needs=("trace", "lost_node_storage"),
+          draw=lambda b, _: _node_loss_cases(b), case=_LOST_AT),
     Check("branch_resume",
           "after a whole run, resumed from an older checkpoint (CONFORMANCE_RESUME_FROM: the best one by the metric "
           "it logs, with capability keep_best): it resumes at that step, its new curve matches the baseline, and "
@@ -263,6 +295,11 @@ def skip_reason(check: Check, session: Session, spec: RunSpec) -> str | None:
             if not session.resume_python:
                 return ("needs another Python environment to resume in: --resume-python=PATH (ini "
                         "conformance_resume_python)")
+        elif need == "lost_node_storage":
+            if not session.adapter.has("cold_tier") and not (session.adapter.has("node_local_storage")
+                                                             and spec.nnodes >= 2):
+                return ("adapter lacks capability 'cold_tier' (or 'node_local_storage' in a job of several nodes: "
+                        "--nnodes >= 2)")
         elif need == "multirank":
             if session.adapter.world_size < 2:
                 return "needs a multi-rank trainer (world size >= 2: --world-size or the adapter's world_size)"
@@ -295,7 +332,8 @@ def markdown_table() -> str:
     rows = ["| check id | what it asserts | needs | decided in |", "|---|---|---|---|"]
     for c in CHECKS:
         ids = f"`{c.id}[{'|'.join(c.params)}]`".replace("|", "\\|") if c.params else f"`{c.id}`"
-        needs = [{"trace": "strace", "multirank": "world size >= 2", "resume_python": "`--resume-python`"}
+        needs = [{"trace": "strace", "multirank": "world size >= 2", "resume_python": "`--resume-python`",
+                  "lost_node_storage": "capability `cold_tier`, or `node_local_storage` with `--nnodes` >= 2"}
                  .get(n, f"capability `{n}`") for n in c.needs]
         if c.precondition != "none":
             needs.append("deterministic " + ("losses and operations" if c.precondition == "operations" else "losses"))

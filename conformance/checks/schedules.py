@@ -51,7 +51,9 @@ def describe_crashes(outcome: TrialOutcome) -> str:
         where = f"inside the save of step {c.kill.in_progress}" if c.kill.in_progress else "outside any save"
         r = c.resumed_from
         resumed = f"next process resumed from step {r}" if r >= 0 else "next process did not resume"
-        lines.append(f"  crash {i + 1}: {c.point} = kill on entry to {c.kill.text} ({where}); "
+        how = (f"node {c.point.node} lost (its agent and every rank on it killed at once) on entry to {c.kill.text}"
+               if c.point.whole_node else f"kill on entry to {c.kill.text}")
+        lines.append(f"  crash {i + 1}: {c.point} = {how} ({where}); "
                      f"newest committed checkpoint then: step {c.kill.newest_committed}; {resumed}")
     return "\n".join(lines)
 
@@ -63,10 +65,13 @@ def trial(session: Session, check: str, spec: RunSpec, schedule: Schedule) -> Tr
     return outcome
 
 
-def fail_trial(session: Session, check: str, outcome: TrialOutcome, problem: str, details: str):
+def fail_trial(session: Session, check: str, outcome: TrialOutcome, problem: str, details: str, *,
+               case: str = "schedule"):
+    """The failure of a trial; `case` names the replay option its schedule goes in (`point` for a
+    check that takes one point)."""
     schedule = format_schedule(outcome.schedule)
     return session.fail(check, outcome.spec, problem, schedule=schedule, details=details,
-                        case={"schedule": schedule})
+                        case={case: schedule})
 
 
 def resume_matches_baseline(session: Session, check: str, spec: RunSpec, _param, schedule: Schedule) -> None:

@@ -58,7 +58,7 @@ def node_loss(session: Session, check: str, spec: RunSpec, _param, kill_at: int)
     changes = cold_changes(baseline)
     if not changes:
         raise session.fail(check, spec, "the trainer declares capability 'cold_tier' but its uninterrupted run changed "
-                           "nothing in CONFORMANCE_COLD_URL: nothing was ever uploaded", case={"cold_op": str(kill_at)})
+                           "nothing in CONFORMANCE_COLD_URL: nothing was ever uploaded", case={"lost_at": str(kill_at)})
     d = session.case_dir("node-loss")
     ckpt = (d / "ckpt").resolve()
     ckpt.mkdir()
@@ -80,7 +80,7 @@ def node_loss(session: Session, check: str, spec: RunSpec, _param, kill_at: int)
 
     def fail(problem: str, details: str = ""):
         return session.fail(check, spec, problem, details=f"  fault: {where}; then the checkpoint directory was "
-                            f"wiped\n" + details, case={"cold_op": str(kill_at)})
+                            f"wiped\n" + details, case={"lost_at": str(kill_at)})
 
     if killed and first.returncode not in (-9, 0):
         raise fail(f"the first run exited {first.returncode} before cold change #{kill_at}, where it was to be "

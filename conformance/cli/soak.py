@@ -35,7 +35,7 @@ from pathlib import Path
 
 from hypothesis import settings as _hypothesis_settings
 
-from ..model.settings import PROFILES, SEEDED_PROFILES
+from ..model.settings import EXAMPLE_DB_PROBLEM, PROFILES, SEEDED_PROFILES
 
 DEFAULT_SOAK = "fixtures:CORRECT_TRAINERS"   # adapter specs of the project's correct trainers
 RANDOM_SUFFIX = "-random"
@@ -109,6 +109,8 @@ def add_arguments(so: argparse.ArgumentParser) -> None:
                     metavar="CMD", help="command that starts a trainer following the command contract (repeatable)")
     so.add_argument("--world-size", default=None, metavar="W",
                     help="run the trainers as W ranks under torchrun (default: each adapter's world_size, or 1)")
+    so.add_argument("--nnodes", default=None, metavar="N",
+                    help="spread the ranks over N torchrun agents ('nodes'; default: each adapter's nnodes, or 1)")
     so.add_argument("--profile", default="ci", help="Hypothesis profile (default ci)")
     so.add_argument("--random", action="store_true",
                     help="fresh draws each run (the profile's '-random' variant and --hypothesis-seed) instead of "
@@ -135,7 +137,7 @@ def run_seed(campaign: int, run: int) -> int:
 
 def build_command(trainer: Trainer, *, profile: str, seed: int | None = None, world_size: str | None = None,
                   workers: str = "0", report_dir: Path | None = None, basetemp: Path | None = None,
-                  select: str | None = None, python: str = sys.executable) -> list[str]:
+                  select: str | None = None, python: str = sys.executable, nnodes: str | None = None) -> list[str]:
     """The pytest command of one run (`seed`: a --random run, under `profile`'s -random variant)."""
     cmd = [python, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q"]
     if seed is not None:
@@ -143,6 +145,8 @@ def build_command(trainer: Trainer, *, profile: str, seed: int | None = None, wo
     cmd += trainer.options()
     if world_size is not None:
         cmd.append(f"--world-size={world_size}")
+    if nnodes is not None:
+        cmd.append(f"--nnodes={nnodes}")
     cmd.append(f"--hypothesis-profile={profile + RANDOM_SUFFIX if seed is not None else profile}")
     if seed is not None:
         cmd.append(f"--hypothesis-seed={seed}")
@@ -170,6 +174,7 @@ class Plan:
     out_dir: Path
     select: str | None = None    # pytest -k: only these checks (e.g. the ones a change touched)
     shard: tuple[int, int] | None = None   # (i, N): this machine's slice of a campaign over N machines
+    nnodes: str | None = None
 
     def campaign_run(self, run: int) -> int:
         """The campaign's number for this machine's run `run` (1-based)."""
@@ -190,7 +195,7 @@ class Plan:
     def command(self, trainer: Trainer, run: int, **extra) -> list[str]:
         extra.setdefault("select", self.select)
         return build_command(trainer, profile=self.profile, seed=self.seed(run), world_size=self.world_size,
-                             workers=self.workers, **extra)
+                             workers=self.workers, nnodes=self.nnodes, **extra)
 
 
 def plan(args, *, check_trainer: Callable[[Trainer, str | None], None] | None = None) -> Plan:
@@ -199,6 +204,8 @@ def plan(args, *, check_trainer: Callable[[Trainer, str | None], None] | None = 
         raise SoakUsageError(f"--runs must be >= 1, got {args.runs}")
     if args.load < 0:
         raise SoakUsageError(f"--load must be >= 0, got {args.load}")
+    if EXAMPLE_DB_PROBLEM:   # every run's pytest would stop with it
+        raise SoakUsageError(EXAMPLE_DB_PROBLEM)
     if args.random and args.profile not in PROFILES:
         raise SoakUsageError(f"--random needs one of the suite's profiles ({', '.join(PROFILES)}), "
                              f"got --profile={args.profile!r}")
@@ -216,22 +223,26 @@ def plan(args, *, check_trainer: Callable[[Trainer, str | None], None] | None = 
             trainers = tuple(Trainer(adapter=spec) for spec in load_object(DEFAULT_SOAK))
         except AdapterError as exc:
             raise SoakUsageError(f"cannot load the default trainers: {exc}") from None
+    nnodes = getattr(args, "nnodes", None)
     for trainer in trainers:
-        (check_trainer or _check_trainer)(trainer, args.world_size)
+        if check_trainer is not None:
+            check_trainer(trainer, args.world_size)
+        else:
+            _check_trainer(trainer, args.world_size, nnodes)
     campaign_seed = args.seed if args.seed is not None else (secrets.randbits(32) if args.random else None)
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="conformance-soak-"))
     return Plan(trainers, args.runs, args.profile, args.random, campaign_seed, args.world_size, args.workers,
-                args.load, out_dir, args.select, shard)
+                args.load, out_dir, args.select, shard, nnodes)
 
 
-def _check_trainer(trainer: Trainer, world_size: str | None) -> None:
+def _check_trainer(trainer: Trainer, world_size: str | None, nnodes: str | None = None) -> None:
     from ..model.adapters import AdapterError, resolve
     if not (trainer.adapter if trainer.adapter is not None else trainer.trainer_cmd or "").strip():
         # an empty value would name no trainer, and the suite would test its bundled one instead
         raise SoakUsageError(f"{'--adapter' if trainer.adapter is not None else '--trainer-cmd'} is empty; "
                              "name a trainer, or leave the option out to soak the project's correct trainers")
     try:
-        resolve(trainer.adapter, trainer.trainer_cmd, world_size=world_size)
+        resolve(trainer.adapter, trainer.trainer_cmd, world_size=world_size, nnodes=nnodes)
     except AdapterError as exc:
         raise SoakUsageError(f"cannot use the trainer {trainer.label}: {exc}") from None
 

@@ -17,7 +17,7 @@ from ..model.process import ProcessResult, RunSpec, rank_log, remove_logs
 from ..offline.crash_states import Replayer
 from ..run.runners import Runner, Stop, Tracing
 from ..trace import recording, strace
-from .delivery import CrashNotLanded, PlannedKill, choose_route, deliver
+from .delivery import CrashNotLanded, CrashPointMissing, PlannedKill, choose_route, deliver
 from .scenario import plan, what_is_there
 
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
@@ -34,7 +34,8 @@ class FaultOutcome:
     planned: PlannedKill
     first: ProcessResult             # the faulted process
     first_run: recording.RecordedRun  # what it did (paths only)
-    final: ProcessResult             # the next start, run to the end
+    final: ProcessResult             # the next start, run to the end (without then_start: the faulted one)
+    log: Path | None = None          # the faulted process's loss log
 
     @property
     def resumed_from(self) -> int:
@@ -52,7 +53,7 @@ def error_points(run: recording.RecordedRun) -> list[int]:
 def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: CrashPoint, action: str,
               workdir: Path, baseline: recording.RecordedRun, *, stop: Stop | None = None,
               went_on_until: int | None = None, stable: frozenset[str] = frozenset(),
-              faulted_spec: RunSpec | None = None) -> FaultOutcome:
+              faulted_spec: RunSpec | None = None, then_start: bool = True) -> FaultOutcome:
     """Fault one process at `point` with `action`, then start the trainer again on what it left.
 
     With `went_on_until`=k, the faulted process is recorded with its data, and if it goes on
@@ -60,12 +61,16 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
     step k (rebuilt offline from that recording: exact, where stopping the process from outside
     would race it), not as the whole run left it. `stable`: paths the same in every run (a job's
     fault on one is delivered by path, as a kill is; delivery.choose_route). `faulted_spec`: the
-    same run with other hints in its environment (CONFORMANCE_HANG_TIMEOUT), for the faulted
-    process only."""
+    same run with other hints in its environment (CONFORMANCE_HANG_TIMEOUT), or another launch
+    (torchrun's --max-restarts), for the faulted process only. Without `then_start`, nothing is
+    started after the faulted process (a job torchrun restarts in place finishes by itself)."""
     ckpt = (workdir / "ckpt").resolve()
     if ckpt.exists():
         shutil.rmtree(ckpt)
     ckpt.mkdir(parents=True)
+    if point.whole_node:
+        raise CrashPointMissing(f"{point} loses a whole node: node points are for crash schedules (rank_resume, "
+                                "all_or_nothing); this check faults one rank, written '@rN'")
     kill = plan(point, baseline)
     if kill is None:
         raise CrashNotLanded(f"fault point {point} does not exist in the trainer's trace ({what_is_there(baseline, point)})")
@@ -123,8 +128,8 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
                 replayer.apply(op)
         shutil.rmtree(ckpt)
         replayer.materialize(ckpt)
-    final = runner.run_process(adapter, spec, ckpt, (workdir / "final-loss.jsonl").resolve())
-    return FaultOutcome(spec, point, action, kill, first, first_run, final)
+    final = runner.run_process(adapter, spec, ckpt, (workdir / "final-loss.jsonl").resolve()) if then_start else first
+    return FaultOutcome(spec, point, action, kill, first, first_run, final, log)
 
 
 def committed_after_failed_sync(run: recording.RecordedRun) -> str | None:

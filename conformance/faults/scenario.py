@@ -11,6 +11,13 @@ rank is traced; torchrun then stops the others. What "committed before the kill"
 ranks: a save every rank finished before that moment. The other ranks run on until they notice
 (at their next collective), so a save the killed rank had finished its part of may still be
 committed after the kill: `newest_possible`.
+
+A node point (`@nodeK`, a job of several nodes) is planned and proven like a point of node K's
+first rank, but that rank is frozen there instead of killed (strace skips the call and delivers
+SIGSTOP: the rank runs nothing after it, and its agent sees no death to react to), and the runner
+then takes node K down whole at once (run/nodes.py); the
+other nodes get NODE_LOSS_GRACE_S to notice before the suite ends the job, as a scheduler would.
+A trainer with node-local storage loses node K's directory too.
 """
 from __future__ import annotations
 
@@ -21,10 +28,16 @@ from pathlib import Path
 
 from ..model.adapters import TrainerAdapter
 from ..model.crash import CrashPoint, Schedule
-from ..model.process import DirectorySnapshot, ProcessResult, RunSpec, rank_log, remove_logs
-from ..run.runners import Runner, Tracing, traced_run
+from ..model.process import DirectorySnapshot, ProcessResult, RunSpec, node_dir, rank_log, remove_logs
+from ..run.runners import Runner, Stop, Tracing, traced_run
 from ..trace import recording, saves
 from .delivery import CrashNotLanded, CrashPointMissing, PlannedKill, choose_route, deliver  # noqa: F401  (re-exported for the checks)
+
+# After a node is lost, how long the other nodes may run on before the suite stops the job.
+NODE_LOSS_GRACE_S = 30.0
+# A node point's rank: the call is not made (EINTR, never seen: the rank stops before it returns to
+# user code), and the rank stops, for the runner to take its node down.
+NODE_LOSS_ACTION = "error=EINTR:signal=STOP"
 
 
 def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
@@ -124,6 +137,9 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
     final_log = (workdir / "final-loss.jsonl").resolve()
     final_run: Future | None = None
     for i, point in enumerate(schedule):
+        point = point.bound(spec.ranks_per_node)
+        action = NODE_LOSS_ACTION if point.whole_node else "signal=KILL"
+        stop = Stop(grace_s=NODE_LOSS_GRACE_S, signal="STOP", node=point.node) if point.whole_node else None
         own = baseline if i == 0 else traced_run(runner, adapter, spec, workdir, tag=f"p{i}-trace", prepare=ckpt)
         started_from = 0 if i == 0 else own.result.resumed_from(spec)
         if crashed:
@@ -150,9 +166,9 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
 
         def attempt(k: PlannedKill) -> recording.RecordedRun:
             nonlocal final_run
-            tracing = Tracing.each(spec, workdir / f"p{i}-inject.strace", lambda f: route.argv(f, k),
+            tracing = Tracing.each(spec, workdir / f"p{i}-inject.strace", lambda f: route.argv(f, k, action),
                                    ranks=[point.on_rank])
-            runs.append(runner.run_process(adapter, spec, ckpt, log, tracing=tracing))
+            runs.append(runner.run_process(adapter, spec, ckpt, log, tracing=tracing, stop=stop))
             if overlap and final_run is None:
                 pool = ThreadPoolExecutor(max_workers=1)
                 final_run = pool.submit(runner.run_process, adapter, spec, ckpt, final_log)
@@ -160,7 +176,7 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
             return recording.from_result(runs[-1], spec, ckpt, log, preexisting=before).rank_view(point.on_rank)
 
         def check(k: PlannedKill, landed: recording.RecordedRun) -> None:
-            route.check(k, own_view, landed, runs[-1])
+            route.check(k, own_view, landed, runs[-1], action)
 
         def reset() -> None:
             snapshot.restore()
@@ -177,6 +193,8 @@ def run_schedule(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, schedul
         if snapshot is not None:
             snapshot.drop()
         result.killed = True
+        if point.whole_node and spec.node_local:
+            shutil.rmtree(node_dir(ckpt, point.node), ignore_errors=True)   # its local disk is lost with it
         crashed.append(CrashedProcess(kill, result, started_from))
     final = final_run.result() if final_run is not None else runner.run_process(adapter, spec, ckpt, final_log)
     if crashed:

@@ -1,6 +1,8 @@
 """Hypothesis strategies for crash schedules. Every drawn value is data: replays are exact."""
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from ..model.crash import CrashPoint, Schedule
@@ -17,21 +19,31 @@ def _middle_save(baseline: RecordedRun) -> int:
     return saves[len(saves) // 2] if saves else 0
 
 
-def per_rank(baseline: RecordedRun, points) -> st.SearchStrategy[CrashPoint]:
+def per_rank(baseline: RecordedRun, points, *, nodes: bool = False) -> st.SearchStrategy[CrashPoint]:
     """`points(run, rank)` for one process; for a job, for each rank's own run, the rank named
     in every point. The highest rank first (Hypothesis starts from and shrinks towards it): rank 0
     usually coordinates, and a rank that only follows is where a missing barrier or a rank's own
-    state left out shows."""
+    state left out shows. With `nodes`, in a job of several nodes, node points come first, the
+    highest node first: each node's loss at the points of its first rank."""
     if not baseline.is_job:
         return points(baseline, None)
-    return st.one_of(*[points(baseline.rank_view(r), r) for r in sorted(baseline.ranks, reverse=True)])
+    ranks = [points(baseline.rank_view(r), r) for r in sorted(baseline.ranks, reverse=True)]
+    spec = baseline.spec
+    if not nodes or spec.nnodes < 2:
+        return st.one_of(*ranks)
+    per_node = spec.ranks_per_node
+    lost = [points(baseline.rank_view(k * per_node), k * per_node).map(
+        lambda p, k=k: dataclasses.replace(p, node=k)) for k in range(spec.nnodes - 1, -1, -1)
+        if k * per_node in baseline.ranks]
+    return st.one_of(*lost, *ranks)
 
 
-def step_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
+def step_points(baseline: RecordedRun, *, nodes: bool = False) -> st.SearchStrategy[CrashPoint]:
     last = max(1, baseline.spec.total_steps - 1)
     pivot = _middle_save(baseline) + 1
     ordered = sorted(range(1, last + 1), key=lambda k: (k < pivot, abs(k - pivot)))
-    return per_rank(baseline, lambda _, r: st.sampled_from(ordered).map(lambda k: CrashPoint("step", k, r)))
+    return per_rank(baseline, lambda _, r: st.sampled_from(ordered).map(lambda k: CrashPoint("step", k, r)),
+                    nodes=nodes)
 
 
 def after_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
@@ -95,11 +107,26 @@ def in_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True), r)))
 
 
-def save_end_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
+def save_end_points(baseline: RecordedRun, *, nodes: bool = False) -> st.SearchStrategy[CrashPoint]:
     """In-save points of every rank, each save from its end backwards: where a rank that follows
     finishes its part after (or without) the commit, and a missing barrier or a per-rank commit
-    shows."""
-    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True, from_end=True), r)))
+    shows. With `nodes`, a whole node lost there too (per_rank)."""
+    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True, from_end=True), r)),
+                    nodes=nodes)
+
+
+def node_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
+    """Whole-node losses, in a job of several nodes: at the in-save points of each node's first
+    rank (each save from its end backwards), or at a step; the highest node first."""
+    spec = baseline.spec
+    per = spec.ranks_per_node
+
+    def lost(k: int) -> st.SearchStrategy[CrashPoint]:
+        run = baseline.rank_view(k * per)
+        in_save = st.sampled_from(named(run, _ordered_fs(run, True, from_end=True), k * per))
+        steps = st.sampled_from(range(1, max(2, spec.total_steps))).map(lambda s: CrashPoint("step", s, k * per))
+        return st.one_of(in_save, steps).map(lambda p: dataclasses.replace(p, node=k))
+    return st.one_of(*[lost(k) for k in range(spec.nnodes - 1, -1, -1) if k * per in baseline.ranks])
 
 
 def later_points(ranks: list[int | None] | None = None) -> st.SearchStrategy[CrashPoint]:

@@ -20,8 +20,8 @@ BUNDLED = "fixtures.reference_trainer:ADAPTER"
 
 # Capabilities an adapter may declare; a check needing one the adapter lacks is skipped naming it.
 # Besides these, `steps=N` asks for runs of N steps (see TrainerAdapter.total_steps).
-KNOWN_CAPABILITIES = frozenset({"cold_tier", "extendable", "keep_best", "legacy_samples", "preemption_save", "reshard",
-                                "resume_from",
+KNOWN_CAPABILITIES = frozenset({"cold_tier", "extendable", "keep_best", "legacy_samples", "node_local_storage",
+                                "preemption_save", "reshard", "resume_from",
                                 "sharded", "syscall_crash"})
 
 
@@ -56,6 +56,7 @@ class TrainerAdapter:
     version: str = ""       # the trainer's own version, shown in reports
     pythonpath: tuple[str, ...] = ()   # directories its processes need on PYTHONPATH
     world_size: int = 1     # > 1: launched as that many ranks by torchrun (launch.py)
+    nnodes: int = 1         # > 1: the ranks spread over that many torchrun agents ("nodes", launch.py)
 
     @property
     def total_steps(self) -> int:
@@ -81,6 +82,7 @@ class TrainerAdapter:
     def replay_args(self) -> tuple[str, ...]:
         """Command-line arguments that name this trainer again (unquoted)."""
         ranks = (f"--world-size={self.world_size}",) if self.world_size > 1 else ()
+        ranks += (f"--nnodes={self.nnodes}",) if self.nnodes > 1 else ()
         if self.spec.startswith("cmd:"):
             return (f"--trainer-cmd={self.spec[4:]}", *ranks)
         return (f"--adapter={self.spec}", *ranks)
@@ -161,29 +163,48 @@ def python_adapter(spec: str, search: tuple[str, ...] = ()) -> TrainerAdapter:
     return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.run.child", spec),
                           capabilities=caps, legacy_samples=samples, spec=spec,
                           version=str(getattr(obj, "version", "") or ""), pythonpath=search,
-                          world_size=checked_world_size(getattr(obj, "world_size", 1), f"adapter {spec!r}: world_size"))
+                          world_size=checked_world_size(getattr(obj, "world_size", 1), f"adapter {spec!r}: world_size"),
+                          nnodes=checked_world_size(getattr(obj, "nnodes", 1), f"adapter {spec!r}: nnodes", "nodes"))
 
 
-def checked_world_size(value, what: str) -> int:
-    """A world size as given (an adapter attribute, an option, an ini value), or AdapterError."""
+def checked_world_size(value, what: str, unit: str = "ranks") -> int:
+    """A world size (or, with unit "nodes", a node count) as given (an adapter attribute, an
+    option, an ini value), or AdapterError."""
     try:
         size = int(value)
     except (TypeError, ValueError):
         size = 0
     if size < 1 or str(value).strip() != str(size):
-        raise AdapterError(f"{what} is {value!r}, not a whole number >= 1",
-                           "give the number of ranks the trainer runs as, e.g. --world-size=2 (1: one process)")
+        fix = ("give the number of ranks the trainer runs as, e.g. --world-size=2 (1: one process)" if unit == "ranks"
+               else "give the number of torchrun agents the ranks spread over, e.g. --nnodes=2 (1: one node)")
+        raise AdapterError(f"{what} is {value!r}, not a whole number >= 1", fix)
     return size
 
 
+def checked_shape(adapter: TrainerAdapter) -> TrainerAdapter:
+    """`adapter` if its ranks spread evenly over its nodes (torchrun gives every node the same
+    number of local ranks), else AdapterError."""
+    nodes, size = adapter.nnodes, adapter.world_size
+    if nodes > 1 and (size % nodes or size < nodes):
+        raise AdapterError(f"--nnodes={nodes} does not divide --world-size={size}: every node runs the same number of "
+                           "ranks", f"give a world size that is a multiple of {nodes}, e.g. --world-size={2 * nodes}")
+    if nodes > 80:
+        raise AdapterError(f"--nnodes={nodes}: at most 80 nodes are started on one machine",
+                           "give fewer nodes")
+    return adapter
+
+
 def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.PathLike | None = None,
-            world_size: int | str | None = None) -> TrainerAdapter:
-    """The trainer under test; `world_size` (an option) overrides the adapter's own."""
+            world_size: int | str | None = None, nnodes: int | str | None = None) -> TrainerAdapter:
+    """The trainer under test; `world_size` and `nnodes` (options) override the adapter's own."""
     if adapter and trainer_cmd:
         raise AdapterError("both an adapter and a trainer command are given", "keep one of --adapter and --trainer-cmd")
     found = command_adapter(trainer_cmd) if trainer_cmd else python_adapter(adapter or BUNDLED, import_dirs(rootdir))
     if world_size is not None:
         found = dataclasses.replace(found, world_size=checked_world_size(world_size, "--world-size"))
+    if nnodes is not None:
+        found = dataclasses.replace(found, nnodes=checked_world_size(nnodes, "--nnodes", "nodes"))
+    checked_shape(found)
     try:
         _ = found.total_steps     # its steps= capability, checked
     except ValueError as exc:

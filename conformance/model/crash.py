@@ -3,7 +3,8 @@ Hypothesis can shrink it.
 
 A schedule is a tuple of crash points, one per killed process (or job); after the last one the
 suite runs the trainer once more, uninterrupted. Text form (used by replay): `step:4,save:6/3`;
-for a multi-rank trainer each point names the rank it kills: `save:6/3@r1,step:4@r0`.
+for a multi-rank trainer each point names the rank it kills: `save:6/3@r1,step:4@r0`; in a
+multi-node job (`--nnodes`) a node point names the node it takes down whole: `save:6/3@node1`.
 """
 from __future__ import annotations
 
@@ -21,13 +22,18 @@ class CrashPoint:
     directory (0-based, in the process's own uninterrupted trace, in the order the calls were
     entered; it wraps around): for operations outside any save and for processes whose trace is
     not known in advance. `@rN`: in a multi-rank job, the point is rank N's (its own steps, its
-    own mutations); torchrun then stops the other ranks."""
+    own mutations); torchrun then stops the other ranks. `@nodeK`: a node point, in a job of
+    several nodes: at that step or operation of node K's first rank, node K is lost whole (its
+    agent and all its ranks stop at once, as in a power or network loss of one machine); the
+    other nodes notice at their next collective. Its rank is bound from the job's shape
+    (`bound`), so the text names the node only and replays on any job of that shape."""
 
     kind: str
     index: int                 # step k; fs ordinal i; the save's step s
     rank: int | None = None
     op: int = 0                # save points: the operation's 1-based position on its thread in that save
     thread: int = 0            # save points: 0 the logging thread, L the save's L-th other thread
+    node: int | None = None    # a node point: the node lost whole (its rank: that node's first, see bound)
 
     KINDS = ("step", "fs", "save")
 
@@ -38,6 +44,8 @@ class CrashPoint:
             raise ValueError(f"crash point index must be >= 0, got {self.index}")
         if self.rank is not None and self.rank < 0:
             raise ValueError(f"crash point rank must be >= 0, got {self.rank}")
+        if self.node is not None and self.node < 0:
+            raise ValueError(f"crash point node must be >= 0, got {self.node}")
         if self.kind == "save":
             if self.index < 1 or self.op < 1 or self.thread < 0:
                 raise ValueError(f"a save point names a save step >= 1, a thread >= 0 and an operation >= 1, "
@@ -49,12 +57,34 @@ class CrashPoint:
         body = f"{self.kind}:{self.index}"
         if self.kind == "save":
             body += (f"/t{self.thread}" if self.thread else "") + f"/{self.op}"
+        if self.node is not None:
+            return body + f"@node{self.node}"
         return body + (f"@r{self.rank}" if self.rank is not None else "")
 
     @property
     def on_rank(self) -> int:
-        """The rank whose process this point stops (0 for a single process)."""
+        """The rank whose process this point stops (0 for a single process); for a node point,
+        the node's first rank, once `bound`."""
+        if self.node is not None and self.rank is None:
+            raise ValueError(f"node point {self} is not bound to a job's shape (CrashPoint.bound)")
         return self.rank or 0
+
+    @property
+    def whole_node(self) -> bool:
+        """Whether the point takes a whole node down, not one rank."""
+        return self.node is not None
+
+    def bound(self, ranks_per_node: int) -> CrashPoint:
+        """A node point with its rank filled in: node K's first rank, K * ranks_per_node, as torchrun
+        numbers ranks (RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK; the suite orders the
+        rendezvous so that node K is GROUP_RANK K, see launch.py). Other points unchanged."""
+        if self.node is None:
+            return self
+        return dataclasses.replace(self, rank=self.node * ranks_per_node)
+
+    def stopped(self) -> str:
+        """What the point does, for messages: "rank 1 was killed", "node 1 was lost"."""
+        return f"node {self.node} was lost" if self.node is not None else f"rank {self.on_rank} was killed"
 
     @property
     def at_step(self) -> bool:
@@ -66,20 +96,24 @@ class CrashPoint:
         body, at, rank = text.strip().partition("@")
         kind, _, where = body.partition(":")
         try:
-            if at and not rank.startswith("r"):
-                raise ValueError("the rank is written '@r<N>'")
-            on = int(rank[1:]) if at else None
+            node = None
+            if at and rank.startswith("node"):
+                on, node = None, int(rank[4:])
+            elif at and not rank.startswith("r"):
+                raise ValueError("the rank is written '@r<N>', a node '@node<K>'")
+            else:
+                on = int(rank[1:]) if at else None
             if kind != "save":
-                return cls(kind, int(where), on)
+                return cls(kind, int(where), on, node=node)
             parts = where.split("/")
             if len(parts) == 3 and parts[1].startswith("t"):
-                return cls(kind, int(parts[0]), on, op=int(parts[2]), thread=int(parts[1][1:]))
+                return cls(kind, int(parts[0]), on, op=int(parts[2]), thread=int(parts[1][1:]), node=node)
             if len(parts) != 2:
                 raise ValueError("a save point is written 'save:S/I' or 'save:S/tL/I'")
-            return cls(kind, int(parts[0]), on, op=int(parts[1]))
+            return cls(kind, int(parts[0]), on, op=int(parts[1]), node=node)
         except ValueError as exc:
             raise ValueError(f"bad crash point {text!r}: expected 'step:K', 'save:S/I', 'save:S/tL/I' or 'fs:I', "
-                             f"optionally with '@rN' for rank N ({exc})") from None
+                             f"optionally with '@rN' for rank N or '@nodeK' for node K ({exc})") from None
 
 
 Schedule = tuple[CrashPoint, ...]
@@ -94,6 +128,11 @@ def parse_schedule(text: str) -> Schedule:
     if text in ("", "none"):
         return ()
     return tuple(CrashPoint.parse(part) for part in text.split(","))
+
+
+def bound(schedule: Schedule, ranks_per_node: int) -> Schedule:
+    """`schedule` with its node points bound to a job of `ranks_per_node` ranks per node."""
+    return tuple(p.bound(ranks_per_node) for p in schedule)
 
 
 @dataclasses.dataclass(frozen=True)

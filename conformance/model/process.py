@@ -30,18 +30,34 @@ class RunSpec:
     cold_fault: ColdFault | None = None
     resume_from: int | None = None
     hang_timeout: float | None = None   # CONFORMANCE_HANG_TIMEOUT: the longest a rank should wait for a peer
+    nnodes: int = 1                      # torchrun agents ("nodes") the ranks spread over, evenly (launch.py)
+    # Capability node_local_storage: each node gets a directory of its own under the checkpoint
+    # directory (node_dir), as its local disk, and all share one (shared_dir).
+    node_local: bool = False
+    max_restarts: int = 0   # torchrun restarts the workers in place this often after a failure (elastic_restart)
 
     @property
     def is_job(self) -> bool:
         return self.world_size > 1 or self.torchrun
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_of(self, rank: int) -> int:
+        """The node that runs `rank` (torchrun numbers ranks node by node)."""
+        return rank // self.ranks_per_node
+
     def but(self, **changes) -> RunSpec:
         """This spec with some numbers changed (the world size kept unless named)."""
-        return dataclasses.replace(self, **changes)
+        changed = dataclasses.replace(self, **changes)
+        if changed.world_size % changed.nnodes:
+            raise ValueError(f"{changed.world_size} rank(s) do not spread evenly over {changed.nnodes} nodes")
+        return changed
 
     def env(self, ckpt_dir: Path, loss_log: Path) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({"CONFORMANCE_CKPT_DIR": str(ckpt_dir),
+        env.update({"CONFORMANCE_CKPT_DIR": str(node_dir(ckpt_dir, 0) if self.node_local else ckpt_dir),
                     "CONFORMANCE_TOTAL_STEPS": str(self.total_steps),
                     "CONFORMANCE_SAVE_EVERY": str(self.save_every),
                     "CONFORMANCE_SEED": str(self.seed),
@@ -54,17 +70,39 @@ class RunSpec:
             env["CONFORMANCE_RESUME_FROM"] = str(self.resume_from)
         if self.hang_timeout is not None:
             env["CONFORMANCE_HANG_TIMEOUT"] = f"{self.hang_timeout:g}"
+        if self.node_local:
+            env["CONFORMANCE_SHARED_DIR"] = str(shared_dir(ckpt_dir))
         env.setdefault("PYTHONUNBUFFERED", "1")
         # Writing .pyc files adds open/write calls to the first run only, which would shift the
         # per-thread syscall counts that crash points are addressed by.
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         return env
 
+    def node_env(self, env: dict[str, str], ckpt_dir: Path, node: int) -> dict[str, str]:
+        """`env` (this spec's, see `env`) as node `node` of a job gets it: with node-local storage,
+        that node's own checkpoint directory."""
+        if not self.node_local:
+            return env
+        return {**env, "CONFORMANCE_CKPT_DIR": str(node_dir(ckpt_dir, node))}
+
     def describe(self) -> str:
         ranks = f" world_size={self.world_size}" if self.is_job else ""
+        ranks += f" nnodes={self.nnodes}" if self.nnodes > 1 else ""
         more = "".join(f" {k}={v}" for k, v in (("cold_fault", self.cold_fault), ("resume_from", self.resume_from))
                        if v is not None)
         return f"total_steps={self.total_steps} save_every={self.save_every} seed={self.seed}{ranks}{more}"
+
+
+def node_dir(ckpt_dir: Path, node: int) -> Path:
+    """Node `node`'s local disk, for a trainer with node-local storage: a directory under the
+    checkpoint directory (so copies, traces and damage cover every node), which a lost node takes
+    with it. Like a fresh node's disk it may not exist yet: the trainer creates it."""
+    return ckpt_dir / f"node{node}"
+
+
+def shared_dir(ckpt_dir: Path) -> Path:
+    """The directory every node of a trainer with node-local storage shares (CONFORMANCE_SHARED_DIR)."""
+    return ckpt_dir / "shared"
 
 
 def cold_root(cold: str, ckpt_dir: Path) -> str:
@@ -171,8 +209,40 @@ def read_job_losses(loss_log: Path, world_size: int) -> tuple[dict[int, float], 
     """(global curve, per-rank curves) of a multi-rank job: the global loss of a step is the mean
     of the ranks' local losses, at the steps every rank logged."""
     ranks = tuple(read_losses(rank_log(loss_log, r, world_size)) for r in range(world_size))
+    return mean_curve(ranks), ranks
+
+
+def mean_curve(ranks: tuple[dict[int, float], ...]) -> dict[int, float]:
+    """A job's global curve from its ranks' local ones: each step's mean, at the steps every rank logged."""
     common = set.intersection(*(set(l) for l in ranks)) if ranks else set()
-    return {s: sum(l[s] for l in ranks) / len(ranks) for s in sorted(common)}, ranks
+    return {s: sum(l[s] for l in ranks) / len(ranks) for s in sorted(common)}
+
+
+RESTART_KEY = "restart"   # a loss-log line {"restart": n} the suite writes before a rank restarted in place starts
+
+
+def mark_restart(loss_log: Path, rank: int, world_size: int, attempt: int) -> None:
+    """Before a worker torchrun restarted in place runs (its predecessor is dead), note in its
+    loss log where the new attempt begins: readers of steps skip the line (read_losses)."""
+    with open(rank_log(loss_log, rank, world_size), "a") as f:
+        f.write(json.dumps({RESTART_KEY: attempt}) + "\n")
+
+
+def read_attempts(loss_log: Path, rank: int, world_size: int) -> list[dict[int, float]]:
+    """A rank's curve per attempt: workers torchrun restarted in place log to the same file, each
+    attempt after a line mark_restart wrote."""
+    attempts: list[dict[int, float]] = [{}]
+    path = rank_log(loss_log, rank, world_size)
+    for line in (path.read_text(errors="replace").splitlines() if path.exists() else []):
+        try:
+            rec = json.loads(line)
+            if isinstance(rec, dict) and RESTART_KEY in rec:
+                attempts.append({})
+                continue
+            attempts[-1][int(rec["step"])] = float(rec["loss"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return attempts
 
 
 def read_losses(path: Path) -> dict[int, float]:

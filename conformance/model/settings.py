@@ -6,11 +6,24 @@ Profiles, chosen with Hypothesis's own `--hypothesis-profile`:
   code gets the same verdict, while failures kept in the example database (e.g. found by a
   nightly fuzz run) replay first; derandomize=True would switch the database off;
 - `fuzz`: thousands of random schedules; failures are kept in the database.
+
+The database of `ci` and `fuzz` is `.hypothesis/examples` unless CONFORMANCE_EXAMPLE_DB names another
+(`example_database`), so that a failure one machine finds replays first on the others.
 """
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    GitHubArtifactDatabase,
+    MultiplexedDatabase,
+    ReadOnlyDatabase,
+)
 
 # Long enough for a checkpoint at a two-digit step with steps after it (ckpt-9 vs ckpt-12).
 VERSION = "0.1.0"   # the suite's version (pyproject.toml has the same); reports record it
@@ -25,7 +38,55 @@ DEFAULT_HANG_TIMEOUT_S = 30.0
 
 SLOW_OK = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                      HealthCheck.function_scoped_fixture])
-EXAMPLE_DB = DirectoryBasedExampleDatabase(".hypothesis/examples")
+LOCAL_EXAMPLES = ".hypothesis/examples"
+EXAMPLE_DB_VARIABLE = "CONFORMANCE_EXAMPLE_DB"
+NIGHTLY_ARTIFACT = "hypothesis-example-db"   # Hypothesis's own default name for the uploaded database
+_GITHUB = re.compile(r"(?P<owner>[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)/(?P<repo>[A-Za-z0-9._-]+)"
+                     r"(?::(?P<artifact>[^\s:/\\\"<>|*?]+))?")
+
+
+class ExampleDbError(ValueError):
+    """CONFORMANCE_EXAMPLE_DB names no database; the message says why and what to write instead."""
+
+
+def example_database(value: str | None) -> ExampleDatabase:
+    """The example database of the `ci` and `fuzz` profiles, from CONFORMANCE_EXAMPLE_DB:
+    unset or empty: `.hypothesis/examples`; `dir:PATH`: a directory every machine mounts (read and
+    written by all); `github:OWNER/REPO[:ARTIFACT]`: the newest artifact of that name (default
+    hypothesis-example-db, e.g. uploaded by the nightly), read-only, beside `.hypothesis/examples`,
+    which gets what this machine finds. Nothing is read, written or downloaded here: Hypothesis
+    fetches the artifact (GITHUB_TOKEN from the environment) at the first lookup of a run."""
+    text = (value or "").strip()
+    if not text:
+        return DirectoryBasedExampleDatabase(LOCAL_EXAMPLES)
+    kind, _, rest = text.partition(":")
+    fix = (f"  fix: {EXAMPLE_DB_VARIABLE}=dir:/mnt/shared/hypothesis (a directory on a volume every machine mounts) "
+           f"or {EXAMPLE_DB_VARIABLE}=github:OWNER/REPO[:ARTIFACT], or unset it for {LOCAL_EXAMPLES}")
+    if kind == "dir":
+        path = Path(rest).expanduser()
+        if not rest.strip():
+            raise ExampleDbError(f"{EXAMPLE_DB_VARIABLE}={value!r} names no directory after 'dir:'\n{fix}")
+        if path.exists() and not path.is_dir():
+            raise ExampleDbError(f"{EXAMPLE_DB_VARIABLE}={value!r}: {path} exists and is not a directory\n{fix}")
+        return DirectoryBasedExampleDatabase(path)
+    if kind == "github":
+        m = _GITHUB.fullmatch(rest)
+        if m is None:
+            raise ExampleDbError(f"{EXAMPLE_DB_VARIABLE}={value!r}: expected github:OWNER/REPO or "
+                                 f"github:OWNER/REPO:ARTIFACT after 'github:', got {rest!r}\n{fix}")
+        artifact = m.group("artifact") or NIGHTLY_ARTIFACT
+        # An explicit path: constructing it then touches no disk, as Hypothesis asks of a plugin's import.
+        shared = GitHubArtifactDatabase(m.group("owner"), m.group("repo"), artifact_name=artifact,
+                                        path=Path(".hypothesis") / "github-artifacts" / artifact)
+        return MultiplexedDatabase(DirectoryBasedExampleDatabase(LOCAL_EXAMPLES), ReadOnlyDatabase(shared))
+    raise ExampleDbError(f"{EXAMPLE_DB_VARIABLE}={value!r}: expected dir:PATH or github:OWNER/REPO[:ARTIFACT]\n{fix}")
+
+
+try:
+    EXAMPLE_DB = example_database(os.environ.get(EXAMPLE_DB_VARIABLE))
+    EXAMPLE_DB_PROBLEM: str | None = None
+except ExampleDbError as exc:   # the plugin stops the run with it as a usage error, before any test runs
+    EXAMPLE_DB, EXAMPLE_DB_PROBLEM = DirectoryBasedExampleDatabase(LOCAL_EXAMPLES), str(exc)
 settings.register_profile("quick", max_examples=3, derandomize=True, phases=[Phase.explicit, Phase.generate],
                           **SLOW_OK)
 settings.register_profile("ci", max_examples=8, derandomize=False, database=EXAMPLE_DB, **SLOW_OK)

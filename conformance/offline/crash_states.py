@@ -208,14 +208,15 @@ def same_directory_note(alike: list, what: str) -> str:
 
 def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
     """Step s -> the files its save leaves behind (written or renamed in during the save, and
-    present when it ends), with their bytes: what a complete checkpoint of step s is."""
+    present when it ends), with their bytes: what a complete checkpoint of step s is. A directory
+    the save only fsynced is not its (a node's directory holds every save's checkpoints)."""
     ends = {idxs[-1]: s for s, idxs in run.windows().items() if s}
     written: dict[int, set[str]] = {}
     finals: dict[int, dict[str, bytes]] = {}
     replayer = Replayer()
     for op in run.ops:
         replayer.apply(op)
-        if op.mutation and op.save:
+        if op.mutation and op.save and op.kind != "fsync":
             written.setdefault(op.save, set()).update(p for p in (op.path, op.target) if p)
         if op.index in ends:
             s = ends[op.index]

@@ -2,7 +2,9 @@
 
 The pytest plugin builds one `Case` per check from what the check recorded (evidence.py) and the
 controller writes the report at the end of the session. `python -m conformance report
-report.json` renders a saved one again.
+report.json` renders a saved one again. A merged report (merge.py: a campaign's shards joined)
+holds several cases per check: its counts are the cases', its levels take each check's worst
+outcome, and its failures are listed once per check and schedule.
 """
 from __future__ import annotations
 
@@ -55,6 +57,32 @@ class Case:
             if isinstance(adapter, dict) else None
         return cls(**values)
 
+    @property
+    def failure(self) -> tuple[str, str]:
+        """(check id, schedule): two failed cases with the same are one failure (found twice in a
+        campaign). The schedule is the message's `schedule:` line; a failure without one is known by
+        its `replay:` line, which names its case exactly, else by its whole message."""
+        lines = [line.strip() for line in self.message.splitlines()]
+        for prefix in ("schedule:", "replay:"):
+            found = next((line for line in lines if line.startswith(prefix)), None)
+            if found is not None:
+                return self.check, found
+        return self.check, self.message.strip()
+
+
+# A check's outcome across several cases (a merged report): the first of these any case had. A check
+# passed only where it passed wherever it ran; one that ran nowhere was skipped.
+OUTCOME_ORDER = ("error", "failed", "xfailed", "xpassed", "passed", "skipped")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One report a merged report joined (`python -m conformance report --merge`), as it was written."""
+    path: str
+    created: str
+    counts: dict[str, int]
+    header: str = ""
+
 
 @dataclasses.dataclass
 class Report:
@@ -66,6 +94,7 @@ class Report:
     cases: list[Case]
     header: str = ""            # the session header line: trainer, profile, runner, strace
     schema: str = REPORT_SCHEMA
+    sources: list[Source] = dataclasses.field(default_factory=list)   # a merged report's shards; [] for one run
 
     @property
     def counts(self) -> dict[str, int]:
@@ -76,15 +105,33 @@ class Report:
 
     @property
     def failed(self) -> list[Case]:
-        return [c for c in self.cases if c.outcome in ("failed", "error")]
+        """The failed and errored cases, each failure once (`Case.failure`): the first case of it."""
+        distinct: dict[tuple[str, str], Case] = {}
+        for case in self.cases:
+            if case.outcome in ("failed", "error"):
+                distinct.setdefault(case.failure, case)
+        return list(distinct.values())
+
+    @property
+    def outcomes(self) -> dict[str, str]:
+        """Each check id's outcome; with several cases of a check, the first in OUTCOME_ORDER."""
+        rank = {outcome: i for i, outcome in enumerate(OUTCOME_ORDER)}
+        out: dict[str, str] = {}
+        for case in self.cases:
+            seen = out.get(case.check)
+            if seen is None or rank.get(case.outcome, -1) < rank.get(seen, -1):
+                out[case.check] = case.outcome
+        return out
 
     def levels(self):
         from .levels import assess
-        return assess({c.check: c.outcome for c in self.cases})
+        return assess(self.outcomes)
 
     def to_json(self) -> dict[str, Any]:
         from .levels import highest
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cases"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("cases", "sources")}
+        if self.sources:
+            out["sources"] = [dataclasses.asdict(s) for s in self.sources]
         out["adapter"] = dataclasses.asdict(self.adapter) if self.adapter else None
         levels = self.levels()
         top = highest(levels)
@@ -124,7 +171,8 @@ def load_report(path: str | Path) -> Report:
                       if isinstance(adapter, dict) else None,
                       hypothesis_profile=data.get("hypothesis_profile"), platform=data.get("platform", ""),
                       created=data.get("created", ""), header=data.get("header", ""),
-                      cases=[Case.from_json(c) for c in data["cases"]])
+                      cases=[Case.from_json(c) for c in data["cases"]],
+                      sources=[Source(**s) for s in data.get("sources") or []])
     except (TypeError, KeyError, AttributeError) as exc:
         raise ValueError(f"{path}: malformed report: {exc}") from None
 
@@ -173,13 +221,37 @@ def render_markdown(report: Report) -> str:
               "",
               "| check | outcome | evidence |",
               "|---|---|---|"]
-    for case in report.cases:
-        lines.append(f"| `{case.check}` | {_ICON.get(case.outcome, case.outcome)} | {summary_of(case)} |")
+    lines += _rows(report.cases)
     for case in report.failed:
-        lines += ["", f"### `{case.check}`", "", "```", case.message.rstrip(), "```"]
+        found = sum(c.outcome in ("failed", "error") and c.failure == case.failure for c in report.cases)
+        lines += ["", f"### `{case.check}`" + (f" (found {found} times)" if found > 1 else ""), "", "```",
+                  case.message.rstrip(), "```"]
         for plot in case.plots:
             lines.append(f"Plot: `{plot}`")
+    if report.sources:
+        lines += ["", f"Merged from {len(report.sources)} report(s):", ""]
+        lines += [f"- `{s.path}`: " + (" · ".join(f"{n} {k}" for k, n in sorted(s.counts.items())) or "no checks ran")
+                  + (f" ({s.created})" if s.created else "") for s in report.sources]
     return "\n".join(lines) + "\n"
+
+
+def _rows(cases: list[Case]) -> list[str]:
+    """One table row per check id; a check with several cases (a merged report) tallies their outcomes
+    and shows the evidence of its first failure, else of its first case."""
+    by_check: dict[str, list[Case]] = {}
+    for case in cases:
+        by_check.setdefault(case.check, []).append(case)
+    rows = []
+    for check, group in by_check.items():
+        if len(group) == 1:
+            outcome = _ICON.get(group[0].outcome, group[0].outcome)
+        else:
+            tally = {o: sum(c.outcome == o for c in group) for o in dict.fromkeys(c.outcome for c in group)}
+            order = sorted(tally, key=lambda o: OUTCOME_ORDER.index(o) if o in OUTCOME_ORDER else -1)
+            outcome = ", ".join(f"{_ICON.get(o, o)} ×{tally[o]}" for o in order)
+        shown = next((c for c in group if c.outcome in ("failed", "error")), group[0])
+        rows.append(f"| `{check}` | {outcome} | {summary_of(shown)} |")
+    return rows
 
 
 def write_report(report: Report, directory: Path) -> tuple[Path, Path]:

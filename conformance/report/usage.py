@@ -50,6 +50,7 @@ def describe_setup(adapter: TrainerAdapter, runner_option: str | None) -> str:
         problem = "the adapter lacks capability 'syscall_crash'"
     crash = "on" if problem is None else f"off: {problem}"
     ranks = f", {adapter.world_size} ranks under torchrun" if adapter.world_size > 1 else ""
+    ranks += f" on {adapter.nnodes} nodes (c10d rendezvous)" if adapter.nnodes > 1 else ""
     return (f"conformance: trainer {adapter.name} ({adapter.spec}){ranks}, profile "
             f"{settings.get_current_profile_name()}, runner {runner} ({why}), strace {version or '-'} "
             f"(syscall crash points {crash})")

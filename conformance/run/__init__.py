@@ -1,3 +1,4 @@
 """Starting and stopping trainer processes: the child entry points (`child`, `rank`), torchrun's command line
-(`launch`), the warm runner (`forkserver`, `attach`), the runners themselves (`runners`), how long a process may run
+(`launch`), the warm runner (`forkserver`, `attach`), the runners themselves (`runners`), a job of several
+torchrun agents, one per node (`nodes`), how long a process may run
 and what /proc says it is doing (`watchdog`, `proctree`), and the cold tier handed to a trainer (`coldstore`)."""

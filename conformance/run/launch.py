@@ -10,6 +10,17 @@ one node, one local rendezvous (what `--standalone` gives), on a port chosen per
 stop the others (SIGTERM, then SIGKILL) and exit non-zero, as a production job does. Every rank
 gets the suite's CONFORMANCE_* variables; torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.
 
+A job of N > 1 nodes (`--nnodes`) runs as N agents on this machine, each
+
+    torchrun --nnodes=N --nproc-per-node=W/N --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:<port> \
+             --rdzv-id=<one per job> --local-addr=127.0.<10+k>.1 ...
+
+meeting through c10d rendezvous, as agents on N machines do. The rendezvous numbers its nodes
+(GROUP_RANK) in the order of their addresses, so a distinct loopback address per agent makes the
+suite's node k torchrun's node k, and its ranks k*W/N .. (k+1)*W/N-1, in every run: crash points
+name ranks and nodes, and must replay. Each agent is its own process group; losing node k stops
+its agent and ranks together (nodes.py).
+
 Two ways to run the same launcher:
 - fresh: torchrun as `python -m torch.distributed.run` (this interpreter's: no PATH lookup, so an
   environment that is not activated works), with `python -m conformance.run.rank` as the entry point of every
@@ -30,12 +41,16 @@ import socket
 import sys
 from pathlib import Path
 
+from ..model.process import RunSpec
+
 # The agent checks on its ranks this often: how soon a rank's death stops the others.
 MONITOR_INTERVAL_S = 0.005
 # Variables the rank entry point reads (and removes before the trainer runs).
 STRACE_VAR = "CONFORMANCE_RANK_STRACE"      # JSON {rank: strace argv prefix}
 STDERR_VAR = "CONFORMANCE_RANK_STDERR"      # a path with "{rank}" in it
 ANNOUNCE_VAR = "CONFORMANCE_RANK_ANNOUNCE"  # warm: directory where a traced rank announces its pid
+# How long an agent waits for the others to join the rendezvous (torchrun's default: 600 s).
+JOIN_TIMEOUT_S = 120
 PORT_IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
 
 
@@ -82,22 +97,47 @@ def check_port(port: int) -> None:
                               "--rdzv-port unset so that every job gets a free port") from None
 
 
-def torchrun_flags(world_size: int, port: int) -> list[str]:
-    return ["--nnodes=1", f"--nproc-per-node={world_size}", "--max-restarts=0",
-            f"--monitor-interval={MONITOR_INTERVAL_S:g}", "--rdzv-backend=static", "--master-addr=127.0.0.1",
-            f"--master-port={port}"]
+def node_address(node: int) -> str:
+    """Node k's loopback address: their order as strings is the order of k (k < 90), which is how
+    the c10d rendezvous numbers nodes."""
+    return f"127.0.{10 + node}.1"
 
 
-def fresh_argv(trainer_argv: list[str] | tuple[str, ...], world_size: int, port: int) -> list[str]:
-    """The torchrun command line of a job in fresh interpreters."""
-    return [*torchrun_program(), *torchrun_flags(world_size, port), "--no-python", sys.executable, "-m",
+def torchrun_flags(spec: RunSpec, port: int, node: int = 0) -> list[str]:
+    """torchrun's flags for the job of `spec` (for node `node` of a job of several nodes). Its
+    `max_restarts` (0 but under elastic_restart) is how often torchrun restarts the workers in
+    place after one fails."""
+    restarts = f"--max-restarts={spec.max_restarts}"
+    if spec.nnodes == 1 and spec.max_restarts:   # a store per attempt needs c10d's rendezvous (see rank_env)
+        return ["--nnodes=1", f"--nproc-per-node={spec.world_size}", restarts,
+                f"--monitor-interval={MONITOR_INTERVAL_S:g}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=conformance-{port}"]
+    if spec.nnodes == 1:
+        return ["--nnodes=1", f"--nproc-per-node={spec.world_size}", restarts,
+                f"--monitor-interval={MONITOR_INTERVAL_S:g}", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+                f"--master-port={port}"]
+    return [f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.ranks_per_node}", restarts,
+            f"--monitor-interval={MONITOR_INTERVAL_S:g}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=conformance-{port}", f"--local-addr={node_address(node)}",
+            f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S}"]
+
+
+def fresh_argv(trainer_argv: list[str] | tuple[str, ...], spec: RunSpec, port: int, node: int = 0) -> list[str]:
+    """The torchrun command line of a job (or of one node's agent) in fresh interpreters."""
+    return [*torchrun_program(), *torchrun_flags(spec, port, node), "--no-python", sys.executable, "-m",
             "conformance.run.rank", *trainer_argv]
 
 
-def rank_env(env: dict[str, str], *, stderr_template: Path, straces: dict[int, list[str]],
+def rank_env(env: dict[str, str], spec: RunSpec, *, stderr_template: Path, straces: dict[int, list[str]],
              announce: Path | None = None) -> dict[str, str]:
-    """`env` plus what the rank entry point reads."""
+    """`env` plus what the rank entry point reads, and what the agents of `spec`'s job read."""
     env = dict(env)
+    if spec.max_restarts:
+        # torchrun restarting its workers in place hands the new attempt the store of the one
+        # before (pytorch/pytorch#135712, #167288): a restarted rank that starts before a slower
+        # peer reads that peer's old address and fails to connect, whatever the trainer does. A
+        # store of the workers' own per attempt (rank 0's, on a new port) avoids it.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env[STDERR_VAR] = str(stderr_template)
     env[STRACE_VAR] = json.dumps({str(r): p for r, p in straces.items()})
     if announce is not None:

@@ -16,20 +16,29 @@ import signal
 import sys
 from pathlib import Path
 
+from ..model.process import mark_restart
 from . import launch
 from .child import run_target
 
 
 def _setup_rank() -> tuple[int, list[str]]:
-    """Send stderr to this rank's file; return (rank, its strace prefix or [])."""
+    """Send stderr to this rank's file; return (rank, its strace prefix or []). Workers torchrun
+    restarted in place (elastic_restart: TORCHELASTIC_RESTART_COUNT > 0) mark the restart in their
+    loss log, add to their stderr file and run untraced: a fault is planned on, and proven in, the
+    first attempt only."""
     rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restarted = attempt > 0
+    if restarted and os.environ.get("CONFORMANCE_LOSS_LOG"):
+        mark_restart(Path(os.environ["CONFORMANCE_LOSS_LOG"]), rank, int(os.environ.get("WORLD_SIZE", "1")), attempt)
     template = os.environ.pop(launch.STDERR_VAR, "")
     straces = json.loads(os.environ.pop(launch.STRACE_VAR, "{}") or "{}")
     if template:
-        fd = os.open(launch.rank_stderr(template, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        mode = os.O_APPEND if restarted else os.O_TRUNC
+        fd = os.open(launch.rank_stderr(template, rank), os.O_WRONLY | os.O_CREAT | mode, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
-    return rank, list(straces.get(str(rank), []))
+    return rank, [] if restarted else list(straces.get(str(rank), []))
 
 
 def main(argv: list[str]) -> None:

@@ -22,7 +22,7 @@ from typing import Protocol
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec, copy_checkpoint_dir, read_job_losses, read_losses
 from ..trace import recording, strace
-from . import launch
+from . import launch, nodes
 from .attach import RankAttacher, attach_strace
 from .watchdog import Limits, ProcessOverran, Stop, Watchdog
 
@@ -160,11 +160,17 @@ class SubprocessRunner(_Jobs):
              tracing: Tracing | None, stop: Stop | None, port: int | None) -> ProcessResult:
         env = adapter.environment(spec.env(ckpt_dir, loss_log))
         template = loss_log.with_name(loss_log.name + ".stderr.rank{rank}")
+        if port is not None and spec.nnodes > 1:
+            env = launch.rank_env(env, spec, stderr_template=template,
+                                  straces={r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())})
+            return _run_nodes(self.limits, spec, loss_log, tracing, stop, template,
+                              lambda err: nodes.fresh_agent(tuple(adapter.argv), spec,
+                                                            lambda k: spec.node_env(env, ckpt_dir, k), port, err, POLL_S))
         if port is None:
             argv = list(tracing.ranks[0][0] if tracing else ()) + list(adapter.argv)
         else:
-            argv = launch.fresh_argv(adapter.argv, spec.world_size, port)
-            env = launch.rank_env(env, stderr_template=template,
+            argv = launch.fresh_argv(adapter.argv, spec, port)
+            env = launch.rank_env(env, spec, stderr_template=template,
                                   straces={r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())})
         start = time.monotonic()
         proc_box: list[subprocess.Popen] = []
@@ -257,9 +263,21 @@ class WarmRunner(_Jobs):
         template = loss_log.with_name(loss_log.name + ".stderr.rank{rank}")
         announce = Path(tempfile.mkdtemp(prefix="ranks-", dir=loss_log.parent))
         straces = {r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())}
-        env = launch.rank_env(adapter.environment(spec.env(ckpt_dir, loss_log)), stderr_template=template,
+        env = launch.rank_env(adapter.environment(spec.env(ckpt_dir, loss_log)), spec, stderr_template=template,
                               straces=straces, announce=announce)
         attacher = RankAttacher(announce, straces)
+        if spec.nnodes > 1:
+            server = self._server(adapter, target, job=True)
+            try:
+                attacher.start()
+                return _run_nodes(self.limits, spec, loss_log, tracing, stop, template,
+                                  lambda err: nodes.warm_agent(server, target, spec,
+                                                               lambda k: spec.node_env(env, ckpt_dir, k), port, err,
+                                                               POLL_S),
+                                  problem=attacher.problem)
+            finally:
+                attacher.close()
+                shutil.rmtree(announce, ignore_errors=True)
         job_pid: list[int] = []
 
         def attach(pid: int):
@@ -276,7 +294,7 @@ class WarmRunner(_Jobs):
         try:
             rc, overrun = self._server(adapter, target, job=True).run(
                 target.target, list(target.argv), env, stderr_path, attach, watch=problem, poll=POLL_S,
-                kind=target.kind, job=launch.torchrun_flags(spec.world_size, port))
+                kind=target.kind, job=launch.torchrun_flags(spec, port))
         finally:
             attacher.close()
             shutil.rmtree(announce, ignore_errors=True)
@@ -308,6 +326,21 @@ class WarmRunner(_Jobs):
         for server in self._servers.values():
             server.close()
         self._servers.clear()
+
+
+def _run_nodes(limits: Limits, spec: RunSpec, loss_log: Path, tracing: Tracing | None, stop: Stop | None,
+               template: Path, make_agent, problem=None) -> ProcessResult:
+    """A job of several nodes (nodes.py), by either runner: `make_agent(stderr path)` runs one
+    node's agent."""
+    stderr_path = loss_log.with_name(loss_log.name + ".stderr")
+    start = time.monotonic()
+    job: list[nodes.NodeJob] = []
+    watch = Watchdog(limits, spec, loss_log, tracing.files() if tracing else [], stop,
+                     on_signal=lambda signum: job[0].on_signal(signum))
+    job.append(nodes.NodeJob(spec, watch, POLL_S))
+    rc, overrun = job[0].run(make_agent(stderr_path), problem)
+    err = _job_stderr(nodes.agents_stderr(stderr_path, spec.nnodes), template, spec.world_size)
+    return _finish(rc, err, spec, loss_log, tracing, start, overrun, watch)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -56,6 +56,8 @@ class Stop:
     grace_s: float | None = None
     signal: str = "TERM"      # the signal the grace period counts from: TERM (a scheduler), INT (Ctrl-C),
     #                           STOP (one rank frozen: the job ends the stop when one of its processes exits)
+    node: int | None = None   # a node point: once its rank is seen stopped (SIGSTOP), node `node` is lost
+    #                           whole (the runner's on_signal), and the other nodes get grace_s to notice
 
 
 class Watchdog:
@@ -85,27 +87,33 @@ class Watchdog:
         self.trace_offsets = [0] * len(self.trace_files)
         self.stall_s = min(max(limits.stall_s, limits.job_stall_s), limits.total_s) if spec.is_job else limits.stall_s
         self.sample_s = min(1.0, max(0.05, self.stall_s / 10))
-        self.root: int | None = None
+        self.roots: list[int] = []   # the launched processes: one, or a multi-node job's agents
         self.sampled_at = 0.0
         self.tasks: dict[int, TaskSample] | None = None
         self.peers: set[int] | None = None   # a SIGSTOP stop: the job's processes when it was seen
+        self.peers_at = 0.0
 
     def follow(self, pid: int) -> None:
-        """Watch the process tree under `pid`, the process the runner just launched; the time
-        limits count from here, not from the start of a fork server that a loaded machine may
-        take many seconds to import torch in."""
-        self.root, self.tasks = pid, None
-        self.start = self.progress_at = time.monotonic()
+        """Watch the process tree under `pid`, a process the runner just launched (each agent of a
+        multi-node job); the time limits count from the first, not from the start of a fork
+        server that a loaded machine may take many seconds to import torch in."""
+        if not self.roots:
+            self.start = self.progress_at = time.monotonic()
+        self.roots, self.tasks = [*self.roots, pid], None
 
     def _sample(self, now: float) -> None:
-        if self.root is None or now - self.sampled_at < self.sample_s:
+        if not self.roots or now - self.sampled_at < self.sample_s:
             return
         interval, self.sampled_at = now - self.sampled_at, now
-        pids = process_tree(self.root)
-        tasks = sample_tree(pids, skip=frozenset({self.root}) if self.spec.is_job else frozenset())
+        pids = self.tree()
+        tasks = sample_tree(pids, skip=frozenset(self.roots) if self.spec.is_job else frozenset())
         if self.tasks is not None and progressed(self.tasks, tasks, interval):
             self.progress_at = now
         self.tasks = tasks
+
+    def tree(self) -> list[int]:
+        """Every process of the run: each launched process and its descendants."""
+        return [pid for root in self.roots for pid in process_tree(root)]
 
     def _read_steps(self) -> None:
         for i, log in enumerate(self.logs):
@@ -143,7 +151,8 @@ class Watchdog:
             self.trace_offsets[i] = start + len(chunk)
             if f"--- SIG{self.stop.signal} ".encode() in chunk:
                 self.signalled_at = time.monotonic()
-                if self.on_signal is not None and self.stop.signal != "STOP":   # a stopped rank stays alone
+                # a stopped rank stays alone, unless it stands for its whole node (a node point)
+                if self.on_signal is not None and (self.stop.signal != "STOP" or self.stop.node is not None):
                     self.on_signal(getattr(signal, f"SIG{self.stop.signal}"))
         return self.signalled_at is not None
 
@@ -155,14 +164,18 @@ class Watchdog:
     def _a_peer_exited(self) -> bool:
         """Whether a process of the job (not its agent, not a tracer) present when the SIGSTOP was
         seen has exited since: a rank noticed its stopped peer (a collective timed out) and the job
-        is ending. The stopped rank cannot exit (only SIGKILL ends a stopped process). Read from
-        the progress samples of the job's processes (`_sample`), not a walk of /proc of its own."""
-        if self.tasks is None:
+        is ending. The stopped rank cannot exit (only SIGKILL ends a stopped process). The peers
+        are read once, when the stop is first seen (a fresh sample: a fast job may reach its stop
+        before the periodic sample has seen its ranks); after that, from the progress samples of
+        the job's processes (`_sample`), not a walk of /proc of its own."""
+        if self.peers is None:
+            fresh = sample_tree(self.tree(), skip=frozenset(self.roots))
+            self.peers = {t.pid for t in fresh.values() if t.tid == t.pid and t.name != "strace"}
+            self.peers_at = time.monotonic()
+            return False
+        if self.tasks is None or self.sampled_at <= self.peers_at:   # no sample taken since
             return False
         alive = {t.pid for t in self.tasks.values()}
-        if self.peers is None:
-            self.peers = {t.pid for t in self.tasks.values() if t.tid == t.pid and t.name != "strace"}
-            return False
         return bool(self.peers - alive)
 
     def problem(self) -> str | None:
@@ -171,7 +184,7 @@ class Watchdog:
         if self.stop.after_step is not None and self.last_step >= self.stop.after_step:
             self.planned = f"stopped by the suite after it logged step {self.last_step}"
             return self.planned
-        if self.stop.signal == "STOP" and self._signal_seen():
+        if self.stop.signal == "STOP" and self.stop.node is None and self._signal_seen():
             if self._a_peer_exited():
                 self.planned = (f"a process of the job exited {now - self.signalled_at:.1f} s after one rank was "
                                 "stopped (SIGSTOP): the job noticed")
@@ -183,9 +196,10 @@ class Watchdog:
                                 "rank was stopped (SIGSTOP): nothing left to wait for")
                 return self.planned
         if self.stop.grace_s is not None and self._signal_seen() and now - self.signalled_at > self.stop.grace_s:
-            self.planned = f"SIGKILLed {self.stop.grace_s:g} s after SIG{self.stop.signal} ({GRACE_EXPIRED})"
-            if self.stop.signal == "STOP" and self.root is not None:   # a hang: say where everyone waited
-                self.planned += "; where each process was:\n" + where(process_tree(self.root))
+            after = f"node {self.stop.node} was lost" if self.stop.node is not None else f"SIG{self.stop.signal}"
+            self.planned = f"SIGKILLed {self.stop.grace_s:g} s after {after} ({GRACE_EXPIRED})"
+            if self.stop.signal == "STOP" and self.roots:   # a hang: say where everyone waited
+                self.planned += "; where each process was:\n" + where(self.tree())
             return self.planned
         if self.last_step > total:
             return f"ran past CONFORMANCE_TOTAL_STEPS (logged step {self.last_step} of {total})"
@@ -195,11 +209,11 @@ class Watchdog:
         self._sample(now)
         if now - self.progress_at > self.stall_s:
             after = f"after step {self.last_step}" if self.last_step else "before logging any step"
-            if self.root is None:
+            if not self.roots:
                 return f"made no progress for {self.stall_s:.0f} s {after}"
             who = "no process under torchrun's agent" if self.spec.is_job else "no process of it"
             return (f"made no progress for {self.stall_s:.0f} s {after}: no new step, and {who} ran, made a "
-                    f"system call or waited for a CPU; where each process was:\n" + where(process_tree(self.root)))
+                    f"system call or waited for a CPU; where each process was:\n" + where(self.tree()))
         for trace_file in self.trace_files:
             try:
                 size = trace_file.stat().st_size
