@@ -5,6 +5,7 @@ themselves run in test_conformance_gate.py.)"""
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 
@@ -104,16 +105,26 @@ class _Watch:
         return "over time" if self.problem_after is not None and self.calls > self.problem_after else None
 
 
-def _agents(codes: dict[int, int], stopped: dict[int, str]):
+def _agents(codes: dict[int, int | None], stopped: dict[int, str]):
+    """Each node's "agent" is a real `sleep` (the job kills process trees by pid): it ends with
+    codes[k] once that is set, or -9 when the job stops it."""
     def run(k, should_stop, started):
-        started(1000 + k)
-        while codes[k] is None:
-            why = should_stop()
-            if why:
-                stopped[k] = why
-                return -9
-            time.sleep(0.005)
-        return codes[k]
+        proc = subprocess.Popen(["sleep", "30"])
+        started(proc.pid)
+        try:
+            while codes[k] is None:
+                why = should_stop()
+                if why:
+                    stopped[k] = why
+                    proc.kill()
+                    return -9
+                if proc.poll() is not None:   # killed by the job
+                    return proc.returncode
+                time.sleep(0.005)
+            return codes[k]
+        finally:
+            proc.kill()
+            proc.wait()
     return run
 
 
@@ -125,6 +136,15 @@ def test_a_job_of_nodes_exits_with_the_first_failure_of_a_node_that_was_not_lost
     threading.Timer(0.05, lambda: (job.on_signal(signal.SIGSTOP), codes.update({0: 1}))).start()
     rc, why = job.run(_agents(codes, stopped))
     assert rc == 1 and why is None and stopped == {1: "node 1 was lost"} and job.nodes[1].lost
+
+
+def test_an_agent_left_waiting_for_a_failed_node_is_stopped_and_the_failure_is_the_jobs():
+    """torchrun's exit barrier waits 300 s for an agent that already failed: an agent with no rank
+    left once another node failed is stopped, and the job's status is the failed node's."""
+    job = nodes.NodeJob(RunSpec(14, 3, 0, 4, nnodes=2), _Watch(), poll=0.005)
+    codes, stopped = {0: None, 1: 3}, {}
+    rc, why = job.run(_agents(codes, stopped))
+    assert rc == 3 and why is None and job.nodes[0].after_peer and stopped == {}
 
 
 def test_a_broken_limit_stops_every_node():

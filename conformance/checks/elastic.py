@@ -12,21 +12,35 @@ delivered and proven on the first attempt only (the restarted workers run untrac
 """
 from __future__ import annotations
 
+from ..faults import strategies
 from ..faults.injection import run_fault
 from ..faults.scenario import CrashPointMissing
 from ..model import evidence
 from ..model.crash import CrashPoint
 from ..model.process import ProcessResult, RunSpec, mean_curve, read_attempts
 from .common import resumed_from
-from .failures import describe_ranks, rank_mismatches, stderr_tail
+from .failures import CheckNotApplicable, describe_ranks, rank_mismatches, stderr_tail
 from .session import Session
 
 RESTARTS = 1
+MULTI_NODE = ("restarts in place of a job of several nodes are not judged: after a restart, ranks of the other "
+              "node failed now and then to reach the new attempt's store (TCPStore, 1 soak run in 2 here), which a "
+              "correct trainer cannot prevent; run it with --nnodes=1")
+
+
+def restart_points(baseline):
+    """Where a rank is killed: in-save points of every rank, each save from its end (as
+    all_or_nothing); CheckNotApplicable for a job of several nodes (MULTI_NODE)."""
+    if baseline.spec.nnodes > 1:
+        raise CheckNotApplicable(MULTI_NODE)
+    return strategies.save_end_points(baseline)
 
 
 def elastic_restart(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
     if point.whole_node:
         raise CrashPointMissing(f"{point} loses a whole node: elastic_restart kills one rank, written '@rN'")
+    if spec.nnodes > 1:
+        raise CheckNotApplicable(MULTI_NODE)
     base = session.baseline(spec)
     outcome = run_fault(session.runner, session.adapter, spec, point, "signal=KILL", session.case_dir("elastic"),
                         base, faulted_spec=spec.but(max_restarts=RESTARTS), stable=session.stable_paths(spec),

@@ -219,7 +219,7 @@ CHECKS: tuple[Check, ...] = (
           "checkpoint committed before the kill, every rank from the same one, each on its own uninterrupted "
           "curve, and the job exits 0",
           "conformance/checks/elastic.py", elastic.elastic_restart, needs=("trace", "multirank"),
-          precondition="operations", draw=lambda b, _: strategies.save_end_points(b), case=_POINT),
+          precondition="operations", draw=lambda b, _: elastic.restart_points(b), case=_POINT),
     Check("hang",
           "one rank of a multi-rank job frozen (SIGSTOP) inside a save: the job notices (a rank's collective times "
           "out) and ends within --hang-timeout, never hangs; after the stopped rank is killed the next start resumes "

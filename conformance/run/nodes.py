@@ -37,6 +37,19 @@ class Node:
     pid: int | None = None
     returncode: int | None = None
     lost: bool = False
+    after_peer: bool = False    # stopped by the suite once another node had failed and it had no rank left
+
+
+def ranks_left(pid: int) -> bool:
+    """Whether a process (a node's agent) still has a process under it other than a tracer."""
+    for p in process_tree(pid)[1:]:
+        try:
+            with open(f"/proc/{p}/comm") as f:
+                if f.read().strip() != "strace":
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def kill_tree(pid: int) -> None:
@@ -56,6 +69,7 @@ class NodeJob:
     """One multi-node job: its nodes, why it was stopped, and which node was lost."""
 
     def __init__(self, spec: RunSpec, watch: Watchdog, poll: float):
+        self.spec = spec
         self.nodes = [Node(k) for k in range(spec.nnodes)]
         self.watch, self.poll = watch, poll
         self.stop_reason: str | None = None
@@ -97,10 +111,24 @@ class NodeJob:
         elif signum != signal.SIGSTOP:
             self.signal_all(signum)
 
+    def _end_after_a_failed_node(self) -> None:
+        """Once a node's agent has exited non-zero, an agent with no rank left can only be waiting
+        in torchrun's exit barrier for it (up to 300 s; it never comes): the job is over, as a
+        scheduler would find, so such agents are stopped now. Not with restarts in place, where an
+        agent without ranks may be starting new ones."""
+        if self.spec.max_restarts or not any(n.returncode not in (None, 0) and not n.lost and not n.after_peer
+                                             for n in self.nodes):
+            return
+        with self._lock:
+            for node in self.nodes:
+                if node.returncode is None and node.pid is not None and not node.lost and not ranks_left(node.pid):
+                    node.after_peer = True
+                    kill_tree(node.pid)
+
     def run(self, run_agent: RunAgent, problem: Callable[[], str | None] | None = None) -> tuple[int, str | None]:
         """Start every node's agent, watch the job until all have exited, and return (the job's
         exit status, why the suite stopped it or None). The status is the first non-zero status
-        of a node that was not lost, else the lost node's, else 0."""
+        of a node that was not lost or stopped after another failed, else the lost node's, else 0."""
         def body(k: int) -> None:
             try:
                 self.nodes[k].returncode = run_agent(k, self._should_stop(k), self._started(k))
@@ -115,6 +143,7 @@ class NodeJob:
             t.start()
         try:
             while any(t.is_alive() for t in threads):
+                self._end_after_a_failed_node()
                 if self.stop_reason is None:
                     why = (problem and problem()) or self.watch.problem()
                     if why:
@@ -127,7 +156,7 @@ class NodeJob:
             for t in threads:
                 t.join()
         codes = [n.returncode if n.returncode is not None else -1 for n in self.nodes]
-        kept = [c for n, c in zip(self.nodes, codes) if c and not n.lost]
+        kept = [c for n, c in zip(self.nodes, codes) if c and not n.lost and not n.after_peer]
         lost = [c for n, c in zip(self.nodes, codes) if n.lost]
         return (kept[0] if kept else lost[0] if lost else 0), self.stop_reason
 
