@@ -107,19 +107,15 @@ def torchrun_flags(spec: RunSpec, port: int, node: int = 0) -> list[str]:
     """torchrun's flags for the job of `spec` (for node `node` of a job of several nodes). Its
     `max_restarts` (0 but under elastic_restart) is how often torchrun restarts the workers in
     place after one fails."""
-    restarts = f"--max-restarts={spec.max_restarts}"
-    if spec.nnodes == 1 and spec.max_restarts:   # a store per attempt needs c10d's rendezvous (see rank_env)
-        return ["--nnodes=1", f"--nproc-per-node={spec.world_size}", restarts,
-                f"--monitor-interval={MONITOR_INTERVAL_S:g}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id=conformance-{port}"]
+    shape = [f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.ranks_per_node}",
+             f"--max-restarts={spec.max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S:g}"]
+    if spec.nnodes == 1 and not spec.max_restarts:
+        return [*shape, "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    # Several nodes meet through c10d; so does a job restarted in place (a store per attempt, see rank_env).
+    c10d = [*shape, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=conformance-{port}"]
     if spec.nnodes == 1:
-        return ["--nnodes=1", f"--nproc-per-node={spec.world_size}", restarts,
-                f"--monitor-interval={MONITOR_INTERVAL_S:g}", "--rdzv-backend=static", "--master-addr=127.0.0.1",
-                f"--master-port={port}"]
-    return [f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.ranks_per_node}", restarts,
-            f"--monitor-interval={MONITOR_INTERVAL_S:g}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id=conformance-{port}", f"--local-addr={node_address(node)}",
-            f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S}"]
+        return c10d
+    return [*c10d, f"--local-addr={node_address(node)}", f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S}"]
 
 
 def fresh_argv(trainer_argv: list[str] | tuple[str, ...], spec: RunSpec, port: int, node: int = 0) -> list[str]:

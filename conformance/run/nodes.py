@@ -40,26 +40,29 @@ class Node:
     after_peer: bool = False    # stopped by the suite once another node had failed and it had no rank left
 
 
-def ranks_left(pid: int) -> bool:
-    """Whether a process (a node's agent) still has a process under it other than a tracer."""
-    for p in process_tree(pid)[1:]:
+def _untraced_tree(pid: int) -> list[int]:
+    """`pid` and every process below it but strace, parents first (gone ones left out)."""
+    out = []
+    for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/comm") as f:
                 if f.read().strip() != "strace":
-                    return True
+                    out.append(p)
         except OSError:
             continue
-    return False
+    return out
+
+
+def ranks_left(pid: int) -> bool:
+    """Whether a process (a node's agent) still has a process under it other than a tracer."""
+    return len(_untraced_tree(pid)) > 1
 
 
 def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process below it but strace (which then reports its tracee's death
     and exits), the parent first."""
-    for p in process_tree(pid):
+    for p in _untraced_tree(pid):
         try:
-            with open(f"/proc/{p}/comm") as f:
-                if f.read().strip() == "strace":
-                    continue
             os.kill(p, signal.SIGKILL)
         except (OSError, ProcessLookupError):
             pass
