@@ -3,24 +3,21 @@ intact, what each records about itself (metric, lineage, why it was saved), and 
 
 Ordering is by the step number parsed from the name, never by string. Layouts: one file
 (`step-N.pt`), a sharded directory (`step-N/`), or a chained checkpoint (`step-N.chain.json`
-over a shared piece store; chain.py).
+over a shared piece store); each is asked through the layout protocol (layouts/kinds.py), never
+branched on here.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 from . import names
-from .chain import read as chain
 from .errors import CheckpointError
-from .layouts.index import INDEX_NAME, read_index
-from .layouts.sharded import check_sizes, load_sharded, verify_sharded
-from .layouts.single_file import load_file
-from .primitives.atomic import fsync_dir, is_temp_name
+from .layouts import kinds
+from .primitives.atomic import is_temp_name
 
 
 class CheckpointSkippedWarning(UserWarning):
@@ -47,7 +44,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
         parsed = names.parse(entry.name)
         if parsed is None or is_temp_name(entry.name):
             continue
-        if (parsed[1] == "sharded") != entry.is_dir(follow_symlinks=False):
+        if kinds.named(parsed[1]).is_directory != entry.is_dir(follow_symlinks=False):
             continue
         found.append(CheckpointInfo(parsed[0], Path(entry.path)))
     return sorted(found, key=lambda c: (c.step, c.path.name))
@@ -56,22 +53,13 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
 def verify(info_or_path: CheckpointInfo | str | os.PathLike) -> None:
     """Raise a CheckpointError if the checkpoint is not complete and intact."""
     path = info_or_path.path if isinstance(info_or_path, CheckpointInfo) else Path(info_or_path)
-    if path.is_dir():
-        verify_sharded(path)
-    elif names.layout_of(path.name) == "chain":
-        chain.load_chain(path, map_location="cpu", migrate_schema=False)
-    else:
-        load_file(path, map_location="cpu")
+    kinds.of(path).verify(path)
 
 
 def load(path: str | os.PathLike, map_location=None) -> dict[str, Any]:
-    """Load (verified, migrated) a checkpoint of either layout."""
+    """Load (verified, migrated) a checkpoint of any layout."""
     path = Path(path)
-    if path.is_dir():
-        return load_sharded(path, map_location)
-    if names.layout_of(path.name) == "chain":
-        return chain.load_chain(path, map_location)
-    return load_file(path, map_location)
+    return kinds.of(path).open(path, map_location)
 
 
 def latest_valid(directory: str | os.PathLike) -> CheckpointInfo | None:
@@ -89,31 +77,16 @@ def latest_valid(directory: str | os.PathLike) -> CheckpointInfo | None:
 
 
 def check_committed(info: CheckpointInfo) -> dict[str, Any] | None:
-    """Retention's check: committed and complete (index and sizes; a single file exists by
-    atomic rename). Full hash verification is left to loading, so retention stays cheap.
-    Returns the index it read (sharded), which `read_meta` can take instead of reading it again."""
-    if info.layout == "sharded":
-        return check_sizes(info.path)
-    if info.layout == "chain":
-        chain.read_chain(info.path)
-    elif not info.path.is_file():
-        raise CheckpointError(info.path, "not a regular file")
-    return None
+    """Retention's check: committed and complete (a sharded index and its file sizes, a chain's
+    manifests; a single file exists by atomic rename). Full hash verification is left to
+    loading, so retention stays cheap. Returns the index it read, if any, which `read_meta` can
+    take instead of reading it again."""
+    return kinds.of(info.path).check_committed(info.path)
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Un-commit first (index.json), then delete, so a crash midway leaves no half-valid entry."""
-    if path.is_dir():
-        index = path / INDEX_NAME
-        if index.exists():
-            index.unlink()
-            fsync_dir(path)
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-_FILE_META: dict[tuple[str, int, int], dict[str, Any]] = {}
+    """Un-commit first (a sharded index), then delete, so a crash midway leaves no half-valid entry."""
+    kinds.of(path).remove(path)
 
 
 def read_meta(info: CheckpointInfo, index: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -121,23 +94,7 @@ def read_meta(info: CheckpointInfo, index: dict[str, Any] | None = None) -> dict
     index or manifest): `metric`, and `meta` (lineage, why it was saved, best). `index`: a
     sharded checkpoint's index as `check_committed` just read it. Raises CheckpointError if it
     cannot be read."""
-    if info.layout == "sharded":
-        record = index if index is not None else read_index(info.path)
-    elif info.layout == "chain":
-        record = chain.read_manifest(info.path)[0]
-    else:
-        # A single file holds it in its payload: loaded once per process (a committed file is
-        # never rewritten in place; its size and mtime name this version of it).
-        try:
-            st = os.stat(info.path)
-        except OSError as exc:
-            raise CheckpointError(info.path, f"cannot read: {exc}") from None
-        key = (os.fspath(info.path), st.st_size, st.st_mtime_ns)
-        if key not in _FILE_META:
-            if len(_FILE_META) > 256:
-                _FILE_META.clear()
-            _FILE_META[key] = load_file(info.path, "cpu").get("extra") or {}
-        record = _FILE_META[key]
+    record = kinds.of(info.path).record(info.path, index)
     out = dict(record.get("meta") or {}) if isinstance(record.get("meta"), dict) else {}
     value = record.get("metric")
     if isinstance(value, (int, float)) and not isinstance(value, bool):

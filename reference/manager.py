@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import lineage, names
+from . import lineage
 from .catalog import (
     CheckpointInfo,
     CheckpointSkippedWarning,
@@ -39,8 +39,7 @@ from .cold import demotion as tiering
 from .cold.store import ColdTier
 from .config import ManagerConfig
 from .errors import CheckpointError, write_error
-from .layouts.sharded import save_sharded
-from .layouts.single_file import save_file
+from .layouts import kinds
 from .loop import triggers
 from .primitives import tree
 from .primitives.atomic import fsync_dir, remove_stale_temps
@@ -95,6 +94,8 @@ class CheckpointManager:
         # Chained layout: what the next delta is taken against (set by a save or a load).
         self.chain = chain_write.ChainWriter(self.directory, config.strategy or "full", config.full_every,
                                              self.compression, self.max_workers)
+        self._layout = kinds.for_config(self.layout, num_shards=self.num_shards, group_by=self.group_by,
+                                        max_workers=self.max_workers, chain_writer=self.chain)
         self.loaded_meta: dict[str, Any] = {}
         # blocking=False: one background writer, at most one save in flight.
         self._executor: ThreadPoolExecutor | None = None
@@ -112,7 +113,7 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        return self.directory / names.step_name(step, self.layout)
+        return self._layout.path_for(self.directory, step)
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, payload: dict[str, Any], *, step: int | None = None, metric: float | None = None,
@@ -148,8 +149,6 @@ class CheckpointManager:
         parent = self._lineage_parent if self._lineage_parent != own_id else None
         record = lineage.Lineage(own_id, parent, self.run_id, self.branch)
         meta = {"lineage": record.to_json(), "trigger": self.trigger.record(decision)}
-        if self.layout == "file":     # no index to hold it: inside the payload
-            extra["meta"] = meta
         payload = {**payload, "extra": extra}
 
         def committed() -> None:
@@ -193,13 +192,7 @@ class CheckpointManager:
     def _save_now(self, payload: dict[str, Any], path: Path, step: int, metric: float | None,
                   meta: dict[str, Any] | None = None, committed: Callable[[], None] = lambda: None) -> Path:
         with self._store_lock:
-            if self.layout == "file":
-                save_file(payload, path)
-            elif self.layout == "sharded":
-                save_sharded(payload, path, num_shards=self.num_shards, group_by=self.group_by,
-                             max_workers=self.max_workers, record=meta)
-            else:
-                self.chain.save(payload, step, metric, meta)
+            self._layout.save(payload, path, step=step, metric=metric, meta=meta or {})
         committed()
         if self.cold is not None:     # retention over both tiers runs with the uploads
             self.request_tiering()
@@ -283,15 +276,14 @@ class CheckpointManager:
 
     def _open(self, found: tiering.Found, map_location) -> dict[str, Any]:
         path = tiering.materialize(found, self.cold)
-        if path.name.endswith(chain.SUFFIX):
-            opened = chain.open_chain(path, map_location)
-            payload = opened.payload
-            same_dir = found.directory == self.directory
-            self.chain.follow(self.directory, *((opened.last, opened.base) if same_dir else ()))
-        else:
-            payload = load(path, map_location)
+        layout = kinds.of(path)
+        if found.directory == self.directory:     # a chain's next delta is taken against it
+            payload = layout.open(path, map_location, continue_in=self.chain)
+        else:                                     # from elsewhere: the next chained save is full
+            payload = layout.open(path, map_location)
+            self.chain.follow(self.directory)
         extra = payload.get("extra") if isinstance(payload.get("extra"), dict) else {}
-        meta = extra.pop("meta", None) if path.suffix == ".pt" else read_meta(CheckpointInfo(found.step, path))
+        meta = extra.pop("meta", None) if layout.meta_in_payload else read_meta(CheckpointInfo(found.step, path))
         meta = meta if isinstance(meta, dict) else {}
         record = lineage.Lineage.from_json(meta.get("lineage"), path)
         self.loaded_meta = meta           # lineage and why it was saved: what `log` shows
@@ -355,6 +347,6 @@ class CheckpointManager:
             removed.append(info.path)
         if removed:
             fsync_dir(self.directory)   # the manifests are gone for good before their pieces go
-        if any(i.layout == "chain" for i in infos):
-            removed += chain.sweep(self.directory)
+        for layout in {i.layout for i in infos}:   # what no remaining checkpoint uses (a chain's pieces)
+            removed += kinds.named(layout).sweep(self.directory)
         return removed

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .catalog import CheckpointInfo, check_committed, read_meta
-from .chain import read as chain
 from .errors import CheckpointError
+from .layouts import kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,9 +27,7 @@ class Candidate:
 
 def needs_of(info: CheckpointInfo) -> tuple[str, ...]:
     """The checkpoints `info` cannot load without, itself included (a chain's ancestors)."""
-    if info.layout == "chain":
-        return tuple(p.name for p in chain.ancestors(info.path)) or (info.path.name,)
-    return (info.path.name,)
+    return kinds.of(info.path).needs(info.path)
 
 
 def candidate(name: str, step: int, meta: dict, needs: tuple[str, ...]) -> Candidate:

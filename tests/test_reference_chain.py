@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import reference
 from reference.__main__ import main as cli_main
-from reference.chain import codec
+from reference.chain import codec, gc
 from reference.chain import read as chain
 from reference.chain import write as chain_write
 from reference.primitives import tree
@@ -219,15 +219,15 @@ def test_retention_keeps_what_a_kept_delta_needs_and_sweeps_the_rest(tmp_path, s
     _save_run(tmp_path, 9, strategy=strategy, full_every=4, keep_last=2)
     # Full checkpoints are 1, 5 and 9; 8 and 9 are kept, and 8 needs its chain back to 5.
     kept = [5, 6, 7, 8, 9] if strategy == "incremental" else [5, 8, 9]
-    assert [p.name for p in chain.manifests(tmp_path)] == [chain.manifest_name(s) for s in kept]
-    for path in chain.manifests(tmp_path):
+    assert [p.name for p in gc.manifests(tmp_path)] == [chain.manifest_name(s) for s in kept]
+    for path in gc.manifests(tmp_path):
         reference.load(path)
-    assert chain.orphans(tmp_path) == ([], 0)
+    assert gc.orphans(tmp_path) == ([], 0)
 
 
 def test_retention_never_deletes_the_base_of_a_kept_differential(tmp_path):
     _save_run(tmp_path, 4, strategy="differential", full_every=10, keep_last=1)
-    names = sorted(p.name for p in chain.manifests(tmp_path))
+    names = sorted(p.name for p in gc.manifests(tmp_path))
     assert names == [chain.manifest_name(1), chain.manifest_name(4)]
     reference.load(tmp_path / chain.manifest_name(4))
 
@@ -275,7 +275,7 @@ def test_a_kill_at_any_operation_of_a_save_or_retention_leaves_kept_checkpoints_
     for limit in range(1, total + 1):
         directory = tmp_path / f"kill-{limit}"
         run(directory, limit)
-        committed = chain.manifests(directory)
+        committed = gc.manifests(directory)
         if not committed:
             continue
         newest = max(committed)

@@ -302,9 +302,9 @@ def test_checkpoints_are_ordered_by_step_number_not_by_name(tmp_path):
     """A step past eight digits names a longer string that sorts before shorter ones."""
     from reference import names
     from reference.catalog import list_checkpoints
-    from reference.chain import read as chain
+    from reference.chain import gc
     for step in (99_999_999, 100_000_000, 5):
         (tmp_path / names.step_name(step, "file")).write_bytes(b"x")
         (tmp_path / names.step_name(step, "chain")).write_bytes(b"{}")
     assert [i.step for i in list_checkpoints(tmp_path) if i.layout == "file"] == [5, 99_999_999, 100_000_000]
-    assert [names.step_of(p.name) for p in chain.manifests(tmp_path)] == [5, 99_999_999, 100_000_000]
+    assert [names.step_of(p.name) for p in gc.manifests(tmp_path)] == [5, 99_999_999, 100_000_000]

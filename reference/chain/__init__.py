@@ -1,2 +1,3 @@
-"""Chained checkpoints (full, incremental, differential): reading, verifying and sweeping them (`read`), writing
-them (`write`), and how one piece is stored (`codec`)."""
+"""Chained checkpoints (full, incremental, differential): reading and verifying them (`read`), writing them
+(`write`), what a chain needs and sweeping what no chain lists (`gc`), how one piece is stored (`codec`), and
+the chained layout as the catalog sees it (`layout`)."""

@@ -16,8 +16,8 @@ lacks, so an unchanged tensor (a frozen layer) costs nothing.
 
 A load follows the parent links, checking each parent's manifest hash, and decodes every piece it
 uses against its hash (and every rebuilt tensor against its own); a missing or mismatched link
-raises a typed error naming it. Retention (manager.py) keeps a checkpoint's whole chain and then
-sweeps pieces no remaining manifest lists.
+raises a typed error naming it. Retention keeps a checkpoint's whole chain and then sweeps pieces
+no remaining manifest lists (gc.py).
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ import torch
 
 from .. import names
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, InvalidIndexError
-from ..primitives.atomic import is_live_temp
 from ..primitives.integrity import tensor_bytes
 from ..primitives.loading import safe_torch_load
 from ..primitives.schema import check_supported, migrate
@@ -79,7 +78,7 @@ def manifest_name(step: int) -> str:
     return names.step_name(step, "chain")
 
 
-def _is_manifest_name(name: str) -> bool:
+def is_manifest_name(name: str) -> bool:
     parsed = names.parse(name)
     return parsed is not None and parsed[1] == "chain"
 
@@ -102,7 +101,7 @@ def _check_piece_ref(ref: Any, path: Path, where: str) -> None:
 
 def check_parent_name(name: Any, path: Path) -> str:
     """A parent is another manifest in the same directory, named by its file name only."""
-    if not isinstance(name, str) or not _is_manifest_name(name):
+    if not isinstance(name, str) or not is_manifest_name(name):
         raise _bad(path, f"parent {name!r} is not a manifest in this checkpoint directory "
                          "(a parent is named by a file name step-N.chain.json, no path)")
     return name
@@ -317,29 +316,6 @@ def references(manifest: dict[str, Any]) -> set[str]:
     return out
 
 
-def ancestors(path: Path) -> list[Path]:
-    """The manifests `path` needs (itself included), as far as they can be read."""
-    out = [path]
-    try:
-        manifest, _ = read_manifest(path)
-    except CorruptCheckpointError:
-        return out
-    except IncompleteCheckpointError:
-        return []
-    seen = {path.name}
-    while manifest.get("parent") is not None:
-        nxt = path.with_name(manifest["parent"]["name"])
-        if nxt.name in seen:
-            break
-        seen.add(nxt.name)
-        try:
-            manifest, _ = read_manifest(nxt)
-        except (CorruptCheckpointError, IncompleteCheckpointError):
-            break
-        out.append(nxt)
-    return out
-
-
 def parent_from(path: Path, manifest: dict[str, Any], digest: str,
                 tensors: list[tuple[str, torch.Tensor]]) -> Parent:
     """What a later delta may be taken against: this checkpoint, with CPU copies of its tensors
@@ -354,42 +330,3 @@ def changed_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     a = old.detach().contiguous().reshape(old.shape[0], -1).view(torch.uint8)
     b = new.detach().contiguous().reshape(new.shape[0], -1).view(torch.uint8)
     return (a != b).any(dim=1).nonzero().flatten()
-
-
-# -- the store as a whole -----------------------------------------------------------------------
-def manifests(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        return []
-    found = [Path(e.path) for e in os.scandir(directory) if _is_manifest_name(e.name) and e.is_file()]
-    return sorted(found, key=lambda p: (names.step_of(p.name), p.name))   # by step number, never by string
-
-
-def orphans(directory: Path) -> tuple[list[Path], int]:
-    """Pieces no readable manifest in `directory` lists (and this library's stale temp files in
-    the store), and the number of manifests that could not be read (whose pieces count as
-    orphans: nothing can tell what they held)."""
-    store = pieces_dir(directory)
-    if not store.is_dir():
-        return [], 0
-    live: set[str] = set()
-    unreadable = 0
-    for path in manifests(directory):
-        try:
-            live |= references(read_manifest(path)[0])
-        except (CorruptCheckpointError, IncompleteCheckpointError):
-            unreadable += 1
-    out = [Path(e.path) for e in os.scandir(store) if e.name not in live and not is_live_temp(e.name)]
-    return sorted(out), unreadable
-
-
-def sweep(directory: Path) -> list[Path]:
-    """Remove the pieces no manifest lists (retention's sweep, after the manifests it removed are
-    gone for good). Only called between saves, so no piece of a save in progress is touched."""
-    removed = []
-    for path in orphans(directory)[0]:
-        try:
-            path.unlink()
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..chain import gc
 from ..chain import read as chain
 from ..errors import CheckpointError, IncompleteCheckpointError
 from ..manager import list_checkpoints, load
@@ -40,7 +41,7 @@ def scan(directory: Path) -> list[tuple[str, str, str, str]]:
     for entry in sorted(directory.iterdir()):
         if is_temp_name(entry.name):
             rows.append((entry.name, "-", "temp", "left by an interrupted save; removed on next save"))
-    for path in chain.orphans(directory)[0]:
+    for path in gc.orphans(directory)[0]:
         rows.append((f"{chain.PIECES}/{path.name}", "-", "orphan",
                      f"{path.stat().st_size} bytes no manifest lists; python -m reference fsck --gc removes it"))
     return rows
@@ -49,7 +50,7 @@ def scan(directory: Path) -> list[tuple[str, str, str, str]]:
 def collect_garbage(directory: Path, *, dry_run: bool, min_age: float) -> int:
     """Print (and unless `dry_run`, remove) the orphan pieces older than `min_age` seconds."""
     now, count, size = time.time(), 0, 0
-    for path in chain.orphans(directory)[0]:
+    for path in gc.orphans(directory)[0]:
         st = path.stat()
         if now - st.st_mtime < min_age:
             print(f"keep   {chain.PIECES}/{path.name} (younger than {min_age:g} s: a save may be writing it)")

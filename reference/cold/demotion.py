@@ -25,6 +25,7 @@ from .. import lineage
 from ..catalog import CheckpointInfo, CheckpointSkippedWarning, list_checkpoints, remove_checkpoint, verify
 from ..chain import read as chain
 from ..errors import CheckpointError
+from ..layouts import kinds
 from ..primitives.atomic import atomic_write_bytes, fsync_dir
 from ..primitives.integrity import sha256_file as hash_file
 from ..retention import candidate, committed, keep_set
@@ -113,8 +114,8 @@ def run_pass(tier: ColdTier, run_dir: Path, branch: str, policy: Policy,
                 removed = True
         if removed:
             fsync_dir(directory)
-            if any(i.layout == "chain" for i in hot.values()):
-                chain.sweep(directory)
+            for layout in {i.layout for i in hot.values()}:   # what no remaining checkpoint uses
+                kinds.named(layout).sweep(directory)
         doomed = [c for n, c in cold.items() if n not in keep]
         shared = {f.path for n, c in cold.items() if n in keep for f in c.files}
         for c in sorted(doomed, key=lambda c: c.step):

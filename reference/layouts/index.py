@@ -109,8 +109,13 @@ def validate_index(index: Any, directory: Path) -> dict[str, Any]:
                  f"metric must be a number, got {index['metric']!r}")
     _require(not isinstance(index.get("meta", {}), bool) and isinstance(index.get("meta", {}), dict), directory,
              f"meta must be an object, got {index.get('meta')!r}"[:200])
-    root = os.path.realpath(directory)
+    # A name is one path component (checked above), so only a symlink can lead outside: resolve
+    # those, not every name (a realpath per name is a stat per path component, on every load).
+    root = None
     for name in seen_names:
+        if not os.path.islink(directory / name):
+            continue
+        root = root or os.path.realpath(directory)
         real = os.path.realpath(directory / name)
         _require(os.path.commonpath([root, real]) == root, directory,
                  f"{name!r} resolves to {real}, outside the checkpoint directory")

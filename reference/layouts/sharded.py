@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import names
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, write_error
 from ..primitives.atomic import atomic_write, atomic_write_bytes, fsync_dir, remove_stale_temps
 from ..primitives.integrity import SizeChanged, read_hashed, sha256_file
@@ -306,3 +307,47 @@ def load_sharded(directory: str | os.PathLike, map_location=None, *, verify: boo
     payload = dict(meta)
     payload["model"] = model
     return migrate(payload, os.fspath(directory)) if migrate_schema else payload
+
+
+class ShardedLayout:
+    """The sharded layout (kinds.Layout): `step-N/` holding the shards, meta.pt and index.json,
+    the commit point; what it records about itself is in the index."""
+
+    meta_in_payload = False
+    name, is_directory = "sharded", True
+
+    def __init__(self, *, num_shards: int = 2, group_by: GroupBy | str | None = None, max_workers: int | None = None):
+        self.num_shards, self.group_by, self.max_workers = num_shards, group_by, max_workers
+
+    def path_for(self, directory: Path, step: int) -> Path:
+        return directory / names.step_name(step, self.name)
+
+    def save(self, payload: dict[str, Any], path: Path, *, step: int, metric: float | None,
+             meta: dict[str, Any]) -> None:
+        save_sharded(payload, path, num_shards=self.num_shards, group_by=self.group_by,
+                     max_workers=self.max_workers, record=meta)
+
+    def open(self, path: Path, map_location=None, *, continue_in=None) -> dict[str, Any]:
+        return load_sharded(path, map_location)
+
+    def verify(self, path: Path) -> None:
+        verify_sharded(path)
+
+    def check_committed(self, path: Path) -> dict[str, Any]:
+        return check_sizes(path)
+
+    def record(self, path: Path, index: dict[str, Any] | None = None) -> dict[str, Any]:
+        return index if index is not None else read_index(path)
+
+    def needs(self, path: Path) -> tuple[str, ...]:
+        return (path.name,)
+
+    def remove(self, path: Path) -> None:
+        index = path / INDEX_NAME
+        if index.exists():
+            index.unlink()
+            fsync_dir(path)
+        shutil.rmtree(path, ignore_errors=True)
+
+    def sweep(self, directory: Path) -> list[Path]:
+        return []

@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, SchemaError
+from .. import names
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, SchemaError
 from ..primitives.atomic import atomic_write
 from ..primitives.integrity import DIGEST_ALGORITHM, tree_digest
 from ..primitives.loading import safe_torch_load
@@ -157,3 +159,52 @@ def load_file(path: str | os.PathLike, map_location=None, *, verify: bool = True
                     path, f"content digest mismatch: stored {integrity.get('digest')}, computed "
                           f"{actual}; the file was modified or corrupted after it was written")
     return migrate(payload, path) if migrate_schema else payload
+
+
+class FileLayout:
+    """The single-file layout (kinds.Layout): `step-N.pt`; what it records about itself travels
+    inside the payload (`extra["meta"]`), there being no index to hold it."""
+
+    meta_in_payload = True
+    name, is_directory = "file", False
+    _records: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+    def path_for(self, directory: Path, step: int) -> Path:
+        return directory / names.step_name(step, self.name)
+
+    def save(self, payload: dict[str, Any], path: Path, *, step: int, metric: float | None,
+             meta: dict[str, Any]) -> None:
+        save_file({**payload, "extra": {**(payload.get("extra") or {}), "meta": meta}}, path)
+
+    def open(self, path: Path, map_location=None, *, continue_in=None) -> dict[str, Any]:
+        return load_file(path, map_location)
+
+    def verify(self, path: Path) -> None:
+        load_file(path, map_location="cpu")
+
+    def check_committed(self, path: Path) -> None:
+        if not path.is_file():
+            raise CheckpointError(path, "not a regular file")
+
+    def record(self, path: Path, index: dict[str, Any] | None = None) -> dict[str, Any]:
+        # Loaded once per process: a committed file is never rewritten in place, so its size and
+        # mtime name this version of it.
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise CheckpointError(path, f"cannot read: {exc}") from None
+        key = (os.fspath(path), st.st_size, st.st_mtime_ns)
+        if key not in self._records:
+            if len(self._records) > 256:
+                self._records.clear()
+            self._records[key] = load_file(path, "cpu").get("extra") or {}
+        return self._records[key]
+
+    def needs(self, path: Path) -> tuple[str, ...]:
+        return (path.name,)
+
+    def remove(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+    def sweep(self, directory: Path) -> list[Path]:
+        return []
