@@ -1,4 +1,5 @@
 """Starting and stopping trainer processes: the child entry points (`child`, `rank`), torchrun's command line
-(`launch`), the warm runner (`forkserver`, `attach`), the runners themselves (`runners`), a job of several
-torchrun agents, one per node (`nodes`), how long a process may run
-and what /proc says it is doing (`watchdog`, `proctree`), and the cold tier handed to a trainer (`coldstore`)."""
+(`launch`), the warm runner (`forkserver`, `attach`, and `zygote`, which forks a warm job's ranks), the
+runners themselves (`runners`), a job of several torchrun agents, one per node (`nodes`), how long a process
+may run and what /proc says it is doing (`watchdog`, `proctree`), and the cold tier handed to a trainer
+(`coldstore`)."""

@@ -24,6 +24,7 @@ from ..model.process import RunSpec
 from . import launch
 from .proctree import process_tree
 from .watchdog import Watchdog
+from .zygote import ZYGOTE_COMM
 
 # An agent's thread asks this every poll: why its node must stop now (None: go on).
 ShouldStop = Callable[[], str | None]
@@ -40,13 +41,14 @@ class Node:
     after_peer: bool = False    # stopped by the suite once another node had failed and it had no rank left
 
 
-def _untraced_tree(pid: int) -> list[int]:
-    """`pid` and every process below it but strace, parents first (gone ones left out)."""
+def _untraced_tree(pid: int, skip: frozenset[str] = frozenset({"strace"})) -> list[int]:
+    """`pid` and every process below it but those named in `skip` (strace), parents first (gone
+    ones left out)."""
     out = []
     for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/comm") as f:
-                if f.read().strip() != "strace":
+                if f.read().strip() not in skip:
                     out.append(p)
         except OSError:
             continue
@@ -54,8 +56,9 @@ def _untraced_tree(pid: int) -> list[int]:
 
 
 def ranks_left(pid: int) -> bool:
-    """Whether a process (a node's agent) still has a process under it other than a tracer."""
-    return len(_untraced_tree(pid)) > 1
+    """Whether a process (a node's agent) still has a process under it other than a tracer or a
+    warm job's rank zygote (which waits for requests as long as the agent lives)."""
+    return len(_untraced_tree(pid, frozenset({"strace", ZYGOTE_COMM}))) > 1
 
 
 def kill_tree(pid: int) -> None:

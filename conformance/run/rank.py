@@ -4,12 +4,14 @@ Fresh: torchrun runs `python -m conformance.run.rank <trainer argv>` for each ra
 rank's stderr to its own file and execs the trainer, under strace if the suite traces this rank.
 
 Warm: `run_job` runs inside a process forked from the warm fork server: torchrun's own parser and
-`elastic_launch`, with `warm_rank` as a function entry point forked per rank. A traced rank
-announces its pid and waits on a FIFO until the suite's strace has attached (as a warm single
-process waits on its pipe), so the trace starts before the trainer's first instruction.
+`elastic_launch`. Ranks are forked warm, but from a zygote the job forks before the agent starts
+any thread (zygote.py says why); the agent manages a proxy per rank. A rank runs `warm_rank`: a
+traced rank announces its pid and waits on a FIFO until the suite's strace has attached (as a warm
+single process waits on its pipe), so the trace starts before the trainer's first instruction.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -19,6 +21,7 @@ from pathlib import Path
 from ..model.process import mark_restart
 from . import launch
 from .child import run_target
+from .zygote import RankZygote, proxy_rank
 
 
 def _setup_rank() -> tuple[int, list[str]]:
@@ -50,15 +53,17 @@ def main(argv: list[str]) -> None:
     os.execvp(command[0], command)
 
 
-def warm_rank(target: str, argv: list[str], kind: str) -> None:
-    """Warm mode, in a rank forked by torchrun's agent: wait for strace if traced, run the trainer,
-    and exit with its status."""
-    # A fresh rank starts with default signal dispositions; a forked one would inherit the agent's
+def warm_rank(target: str, argv: list[str], kind: str, env: dict[str, str]) -> int:
+    """Warm mode, in a rank forked by the job's zygote with the environment torchrun's agent gave
+    its proxy: wait for strace if traced, run the trainer; its exit status."""
+    # A fresh rank starts with default signal dispositions; a forked one would inherit the job's
     # SIGTERM/SIGINT handlers, which only raise an exception when the interpreter next runs: a rank
     # blocked in a collective after a peer died would then ignore the agent's SIGTERM.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
     rank, prefix = _setup_rank()
     announce = os.environ.pop(launch.ANNOUNCE_VAR, "")
     if prefix and announce:
@@ -69,15 +74,7 @@ def warm_rank(target: str, argv: list[str], kind: str) -> None:
         os.replace(tmp, Path(announce) / f"rank{rank}")
         os.read(fd, 1)                  # released once strace is attached
         os.close(fd)
-    code = run_target(target, argv, dict(os.environ), kind)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        if code:
-            os._exit(code)
-    # Exit 0 by returning: the agent counts a rank done only once its return value arrived (a rank
-    # that calls os._exit(0) counts as running for ever).
+    return run_target(target, argv, dict(os.environ), kind)
 
 
 # How often a warm agent polls the c10d rendezvous while it waits for the others (torchrun: 1 s).
@@ -118,14 +115,17 @@ def run_job(flags: list[str], target: str, argv: list[str], kind: str) -> int:
     config, _, _ = config_from_args(args)
     if args.rdzv_backend == "c10d":
         _poll_rendezvous_faster()
+    zygote = RankZygote.start(functools.partial(warm_rank, target, argv, kind))   # while one thread runs
     try:
-        elastic_launch(config=config, entrypoint=warm_rank)(target, argv, kind)
+        elastic_launch(config=config, entrypoint=proxy_rank)(zygote.address)
     except ChildFailedError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     except Exception as exc:   # the agent itself failed (rendezvous, a signal): as torchrun, exit 1
         print(f"torchrun agent: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        zygote.close()
     return 0
 
 
