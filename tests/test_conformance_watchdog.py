@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conformance.model.process import RunSpec
-from conformance.run.watchdog import Limits, TaskSample, Watchdog, progressed, syscall_name
+from conformance.run.watchdog import Limits, Stop, TaskSample, Watchdog, progressed, syscall_name
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 
@@ -175,3 +175,45 @@ def test_log_lines_are_read_as_before(tmp_path):
     log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
     watch = Watchdog(Limits(total_s=30, stall_s=30), SINGLE, log, [])
     assert watch.problem() is None and watch.last_step == 3
+
+
+# -- the grace period after a signal, counted in time the run could use -----------------------------
+def _pinned(code: str, cpu: int) -> str:
+    return f"import os\nos.sched_setaffinity(0, {{{cpu}}})\n" + code
+
+
+def _grace_watch(tmp_path, children, trainer: str, grace_s: float, seconds: float):
+    """`trainer` and three CPU burners pinned to one CPU; the watchdog is told (by a trace line)
+    that SIGTERM arrived once the trainer is up. (problem or None, seconds it took, the trainer)."""
+    cpu = min(os.sched_getaffinity(0))
+    for _ in range(3):
+        children.append(_child(_pinned("print('up', flush=True)\nwhile True: pass", cpu)))
+        _ready(children[-1])
+    children.append(proc := _child(_pinned(trainer, cpu)))
+    _ready(proc)
+    trace = tmp_path / "trace.txt"
+    trace.write_text(f"{proc.pid} --- SIGTERM {{si_signo=SIGTERM}} ---\n")
+    watch = Watchdog(Limits(total_s=60, stall_s=30), SINGLE, tmp_path / "loss.jsonl", [trace],
+                     stop=Stop(grace_s=grace_s))
+    watch.follow(proc.pid)
+    start = time.monotonic()
+    while time.monotonic() - start < seconds and proc.poll() is None:
+        if problem := watch.problem():
+            return problem, time.monotonic() - start, proc
+        time.sleep(0.05)
+    return None, time.monotonic() - start, proc
+
+
+def test_a_starved_trainer_that_needs_less_cpu_than_the_grace_is_not_killed(tmp_path, children):
+    """1 s of CPU after the signal, a 2 s grace, a quarter of one CPU: ~4 s of wall time, allowed."""
+    busy = "import time\nprint('up', flush=True)\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass"
+    problem, took, proc = _grace_watch(tmp_path, children, busy, grace_s=2.0, seconds=30)
+    assert problem is None, problem
+    assert proc.returncode == 0 and took > 2.0, (proc.returncode, took)   # it did outlast the wall-clock grace
+
+
+def test_a_trainer_that_sleeps_past_the_grace_is_killed_on_time_however_busy_the_machine(tmp_path, children):
+    problem, took, _ = _grace_watch(tmp_path, children, "import time\nprint('up', flush=True)\ntime.sleep(60)",
+                                    grace_s=1.0, seconds=30)
+    assert problem and "still running at the end of the grace period" in problem, problem
+    assert took < 4, took

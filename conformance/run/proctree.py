@@ -153,6 +153,21 @@ def sample_tree(pids: list[int], skip: frozenset[int] = frozenset()) -> dict[int
     return out
 
 
+def tracers(pids: list[int]) -> list[int]:
+    """The processes tracing any of `pids` (TracerPid in their status) that are not among them:
+    the suite's straces of a warm run, which wait for a CPU like the trainer they stop."""
+    found = []
+    for pid in pids:
+        status = _read(f"/proc/{pid}/status") or ""
+        for line in status.splitlines():
+            if line.startswith("TracerPid:"):
+                tracer = int(line.split()[1] or 0)
+                if tracer and tracer not in pids and tracer not in found:
+                    found.append(tracer)
+                break
+    return found
+
+
 # -- where a process was, for the message when it is killed ----------------------------------------
 _SYSCALLS = {
     "x86_64": {0: "read", 1: "write", 2: "open", 3: "close", 7: "poll", 9: "mmap", 16: "ioctl", 17: "pread64",

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 from ..model.process import ProcessResult, RunSpec, rank_log
-from .proctree import TaskSample, process_tree, progressed, sample_tree, syscall_name, where  # noqa: F401  (TaskSample, progressed, syscall_name: re-exported)
+from .proctree import TaskSample, process_tree, progressed, sample_tree, syscall_name, tracers, where  # noqa: F401  (TaskSample, progressed, syscall_name: re-exported)
 
 GRACE_EXPIRED = "still running at the end of the grace period"
+STARVED_NOTE_S = 0.1   # waits for a CPU shorter than this are not worth a word in the message
 
 
 def grace_expired(stopped: str) -> bool:
@@ -90,6 +91,8 @@ class Watchdog:
         self.roots: list[int] = []   # the launched processes: one, or a multi-node job's agents
         self.sampled_at = 0.0
         self.tasks: dict[int, TaskSample] | None = None
+        self.waits_at_signal: dict[int, int] | None = None   # _waits() when the stop's signal was seen
+        self.starved_s, self.grace_sampled_at = 0.0, 0.0      # see _grace_over
         self.peers: set[int] | None = None   # a SIGSTOP stop: the job's processes when it was seen
         self.peers_at = 0.0
 
@@ -135,6 +138,27 @@ class Watchdog:
                     self.progress_at = time.monotonic()
                 self.rank_steps[i] = max(self.rank_steps[i], step)
 
+    def _waits(self) -> dict[int, int]:
+        """tid -> ns it has waited runnable for a CPU, for every thread of the run and its tracers."""
+        pids = self.tree()
+        return {tid: t.waited for tid, t in sample_tree(pids + tracers(pids)).items()}
+
+    def _grace_over(self, now: float) -> bool:
+        """Whether the grace after the stop's signal is over, counted in time the run could use: the
+        wall time since the signal less the longest any of its threads (or their tracers) has since
+        waited runnable for a CPU. On a quiet machine that is the wall time; on a loaded one a
+        trainer that exits in time whenever it gets a CPU is not killed for the machine's load
+        (soak seed 3548310241: ddp_async_trainer's interrupt, 2 ranks on 2 busy CPUs), while one
+        that blocks or sleeps waits on no run queue and is killed on time."""
+        wall = now - self.signalled_at
+        if wall <= self.stop.grace_s:
+            return False
+        if now - self.grace_sampled_at >= self.sample_s:
+            self.grace_sampled_at = now
+            at_signal = self.waits_at_signal or {}
+            self.starved_s = max((w - at_signal.get(tid, 0) for tid, w in self._waits().items()), default=0) / 1e9
+        return wall - self.starved_s > self.stop.grace_s
+
     def _signal_seen(self) -> bool:
         """Whether strace's output shows the signal (`Stop.signal`) delivered (it writes each line as
         it happens)."""
@@ -151,6 +175,7 @@ class Watchdog:
             self.trace_offsets[i] = start + len(chunk)
             if f"--- SIG{self.stop.signal} ".encode() in chunk:
                 self.signalled_at = time.monotonic()
+                self.waits_at_signal = self._waits() if self.stop.grace_s is not None else None
                 # a stopped rank stays alone, unless it stands for its whole node (a node point)
                 if self.on_signal is not None and (self.stop.signal != "STOP" or self.stop.node is not None):
                     self.on_signal(getattr(signal, f"SIG{self.stop.signal}"))
@@ -195,9 +220,12 @@ class Watchdog:
                 self.planned = (f"every other rank had logged its last step {now - self.signalled_at:.1f} s after one "
                                 "rank was stopped (SIGSTOP): nothing left to wait for")
                 return self.planned
-        if self.stop.grace_s is not None and self._signal_seen() and now - self.signalled_at > self.stop.grace_s:
+        if self.stop.grace_s is not None and self._signal_seen() and self._grace_over(now):
             after = f"node {self.stop.node} was lost" if self.stop.node is not None else f"SIG{self.stop.signal}"
-            self.planned = f"SIGKILLed {self.stop.grace_s:g} s after {after} ({GRACE_EXPIRED})"
+            starved = (f", not counting {self.starved_s:.1f} s its processes waited for a CPU"
+                       if self.starved_s >= STARVED_NOTE_S else "")
+            self.planned = (f"SIGKILLed {now - self.signalled_at:.1f} s after {after} ({GRACE_EXPIRED}: "
+                            f"{self.stop.grace_s:g} s{starved})")
             if self.stop.signal == "STOP" and self.roots:   # a hang: say where everyone waited
                 self.planned += "; where each process was:\n" + where(self.tree())
             return self.planned
