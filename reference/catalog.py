@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from . import names
 from .errors import CheckpointError
 from .layouts import kinds
-from .primitives.atomic import is_temp_name
+from .primitives.atomic import fsync_dir, is_temp_name
 
 
 class CheckpointSkippedWarning(UserWarning):
@@ -87,6 +88,21 @@ def check_committed(info: CheckpointInfo) -> dict[str, Any] | None:
 def remove_checkpoint(path: Path) -> None:
     """Un-commit first (a sharded index), then delete, so a crash midway leaves no half-valid entry."""
     kinds.of(path).remove(path)
+
+
+def remove_checkpoints(directory: Path, paths: list[Path], layouts: Iterable[str]) -> list[Path]:
+    """Retention's deletion, one rule for every caller: remove `paths` in the order given (oldest
+    first), make the removals durable, then sweep, for each layout in `layouts` (those present
+    before), the pieces no remaining checkpoint uses (a chain's). The paths removed or swept."""
+    removed = []
+    for path in paths:
+        remove_checkpoint(path)
+        removed.append(path)
+    if removed:
+        fsync_dir(directory)   # the manifests are gone for good before their pieces go
+    for layout in sorted(set(layouts)):
+        removed += kinds.named(layout).sweep(directory)
+    return removed
 
 
 def read_meta(info: CheckpointInfo, index: dict[str, Any] | None = None) -> dict[str, Any]:

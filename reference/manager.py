@@ -30,7 +30,7 @@ from .catalog import (
     list_checkpoints,
     load,
     read_meta,
-    remove_checkpoint,
+    remove_checkpoints,
     verify,
 )
 from .chain import read as chain
@@ -42,7 +42,7 @@ from .errors import CheckpointError, write_error
 from .layouts import kinds
 from .loop import triggers
 from .primitives import tree
-from .primitives.atomic import fsync_dir, remove_stale_temps
+from .primitives.atomic import remove_stale_temps
 from .retention import committed, keep_set
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "CheckpointSkippedWarning", "latest_valid", "list_checkpoints",
@@ -341,12 +341,5 @@ class CheckpointManager:
                         protect_steps=lineage.branch_points(self.run_dir, self.branch))
         doomed = [i for i in valid if i.path.name not in keep]
         doomed += [i for i in invalid if i.step < anchor.step and i.path.name not in keep]
-        removed = []
-        for info in sorted(doomed, key=lambda i: i.step):
-            remove_checkpoint(info.path)
-            removed.append(info.path)
-        if removed:
-            fsync_dir(self.directory)   # the manifests are gone for good before their pieces go
-        for layout in {i.layout for i in infos}:   # what no remaining checkpoint uses (a chain's pieces)
-            removed += kinds.named(layout).sweep(self.directory)
-        return removed
+        return remove_checkpoints(self.directory, [i.path for i in sorted(doomed, key=lambda i: i.step)],
+                                  [i.layout for i in infos])

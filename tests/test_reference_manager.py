@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import reference
-import reference.manager as manager_module
+import reference.catalog as catalog_module  # retention removes through catalog.remove_checkpoints
 from tests.strategies import FakeClock, flip_bit, trainer_payload
 
 
@@ -245,7 +245,7 @@ def test_crash_between_commit_and_deletion(tmp_path, monkeypatch, fail_after):
     after some shards): the new checkpoint is the valid newest, and the next save cleans up."""
     manager = reference.CheckpointManager(tmp_path, keep_last=1, num_shards=2)
     manager.save(_payload(1), step=1, force=True)
-    real_remove = manager_module.remove_checkpoint
+    real_remove = catalog_module.remove_checkpoint
 
     def dying_remove(path: Path):
         index = path / "index.json"
@@ -253,10 +253,10 @@ def test_crash_between_commit_and_deletion(tmp_path, monkeypatch, fail_after):
         for shard in sorted(path.glob("model-*.pt"))[:fail_after]:
             shard.unlink()
         raise KeyboardInterrupt("killed during retention")
-    monkeypatch.setattr(manager_module, "remove_checkpoint", dying_remove)
+    monkeypatch.setattr(catalog_module, "remove_checkpoint", dying_remove)
     with pytest.raises(KeyboardInterrupt):
         manager.save(_payload(2), step=2, force=True)
-    monkeypatch.setattr(manager_module, "remove_checkpoint", real_remove)
+    monkeypatch.setattr(catalog_module, "remove_checkpoint", real_remove)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", reference.CheckpointSkippedWarning)
         assert reference.latest_valid(tmp_path).step == 2

@@ -6,21 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import names
+from ..layouts.base import LayoutBase
 from . import gc
 from .read import load_chain, open_chain, read_chain, read_manifest
 from .write import ChainWriter
 
 
-class ChainLayout:
+class ChainLayout(LayoutBase):
     meta_in_payload = False
     name, is_directory = "chain", False
 
     def __init__(self, writer: ChainWriter | None = None):
         self.writer = writer     # None: a reader (the catalog's), which cannot save
-
-    def path_for(self, directory: Path, step: int) -> Path:
-        return directory / names.step_name(step, self.name)
 
     def save(self, payload: dict[str, Any], path: Path, *, step: int, metric: float | None,
              meta: dict[str, Any]) -> None:

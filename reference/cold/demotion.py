@@ -22,11 +22,10 @@ import warnings
 from pathlib import Path
 
 from .. import lineage
-from ..catalog import CheckpointInfo, CheckpointSkippedWarning, list_checkpoints, remove_checkpoint, verify
+from ..catalog import CheckpointInfo, CheckpointSkippedWarning, list_checkpoints, remove_checkpoints, verify
 from ..chain import read as chain
 from ..errors import CheckpointError
-from ..layouts import kinds
-from ..primitives.atomic import atomic_write_bytes, fsync_dir
+from ..primitives.atomic import atomic_write_bytes
 from ..primitives.integrity import sha256_file as hash_file
 from ..retention import candidate, committed, keep_set
 from .store import ColdCheckpoint, ColdTier, checkpoint_files
@@ -102,20 +101,15 @@ def run_pass(tier: ColdTier, run_dir: Path, branch: str, policy: Policy,
     for info in hot_kept[-policy.keep_hot:] if policy.keep_hot else []:
         stay_hot.update(needs[info.path.name])
     with store_lock:
-        removed = False
+        going = []
         for name, info in sorted(hot.items(), key=lambda kv: kv[1].step):
             if name not in keep:
-                remove_checkpoint(info.path)
                 result.deleted_hot.append(name)
-                removed = True
+                going.append(info.path)
             elif name not in stay_hot and name in cold:
-                remove_checkpoint(info.path)
                 result.demoted.append(name)
-                removed = True
-        if removed:
-            fsync_dir(directory)
-            for layout in {i.layout for i in hot.values()}:   # what no remaining checkpoint uses
-                kinds.named(layout).sweep(directory)
+                going.append(info.path)
+        remove_checkpoints(directory, going, [i.layout for i in hot.values()])
         doomed = [c for n, c in cold.items() if n not in keep]
         shared = {f.path for n, c in cold.items() if n in keep for f in c.files}
         for c in sorted(doomed, key=lambda c: c.step):

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from .. import names
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, write_error
 from ..primitives.atomic import atomic_write, atomic_write_bytes, fsync_dir, remove_stale_temps
 from ..primitives.integrity import SizeChanged, read_hashed, sha256_file
 from ..primitives.loading import safe_torch_load
 from ..primitives.schema import check_supported, migrate
+from .base import LayoutBase
 from .index import INDEX_NAME, META_NAME, build_index, encode_index, read_index
 
 GroupBy = Callable[[str], str]
@@ -309,7 +309,7 @@ def load_sharded(directory: str | os.PathLike, map_location=None, *, verify: boo
     return migrate(payload, os.fspath(directory)) if migrate_schema else payload
 
 
-class ShardedLayout:
+class ShardedLayout(LayoutBase):
     """The sharded layout (kinds.Layout): `step-N/` holding the shards, meta.pt and index.json,
     the commit point; what it records about itself is in the index."""
 
@@ -318,9 +318,6 @@ class ShardedLayout:
 
     def __init__(self, *, num_shards: int = 2, group_by: GroupBy | str | None = None, max_workers: int | None = None):
         self.num_shards, self.group_by, self.max_workers = num_shards, group_by, max_workers
-
-    def path_for(self, directory: Path, step: int) -> Path:
-        return directory / names.step_name(step, self.name)
 
     def save(self, payload: dict[str, Any], path: Path, *, step: int, metric: float | None,
              meta: dict[str, Any]) -> None:
@@ -339,9 +336,6 @@ class ShardedLayout:
     def record(self, path: Path, index: dict[str, Any] | None = None) -> dict[str, Any]:
         return index if index is not None else read_index(path)
 
-    def needs(self, path: Path) -> tuple[str, ...]:
-        return (path.name,)
-
     def remove(self, path: Path) -> None:
         index = path / INDEX_NAME
         if index.exists():
@@ -349,5 +343,3 @@ class ShardedLayout:
             fsync_dir(path)
         shutil.rmtree(path, ignore_errors=True)
 
-    def sweep(self, directory: Path) -> list[Path]:
-        return []

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from .. import names
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, SchemaError
 from ..primitives.atomic import atomic_write
 from ..primitives.integrity import DIGEST_ALGORITHM, tree_digest
 from ..primitives.loading import safe_torch_load
 from ..primitives.schema import check_supported, migrate
+from .base import LayoutBase
 
 INTEGRITY_KEY = "integrity"
 
@@ -161,16 +161,13 @@ def load_file(path: str | os.PathLike, map_location=None, *, verify: bool = True
     return migrate(payload, path) if migrate_schema else payload
 
 
-class FileLayout:
+class FileLayout(LayoutBase):
     """The single-file layout (kinds.Layout): `step-N.pt`; what it records about itself travels
     inside the payload (`extra["meta"]`), there being no index to hold it."""
 
     meta_in_payload = True
     name, is_directory = "file", False
     _records: dict[tuple[str, int, int], dict[str, Any]] = {}
-
-    def path_for(self, directory: Path, step: int) -> Path:
-        return directory / names.step_name(step, self.name)
 
     def save(self, payload: dict[str, Any], path: Path, *, step: int, metric: float | None,
              meta: dict[str, Any]) -> None:
@@ -200,11 +197,6 @@ class FileLayout:
             self._records[key] = load_file(path, "cpu").get("extra") or {}
         return self._records[key]
 
-    def needs(self, path: Path) -> tuple[str, ...]:
-        return (path.name,)
-
     def remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)
 
-    def sweep(self, directory: Path) -> list[Path]:
-        return []
