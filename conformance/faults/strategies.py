@@ -56,19 +56,15 @@ def after_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
         lambda k: CrashPoint("step", k, r)))
 
 
-def _ordered_fs(baseline: RecordedRun, only_inside: bool, from_end: bool = False,
-                before_step: int | None = None) -> list[int]:
+def _ordered_fs(baseline: RecordedRun, only_inside: bool, from_end: bool = False) -> list[int]:
     """Ordinals into the targetable mutations (`run.crash_points()`), most telling first; with
-    `from_end`, each save's writes from its last one backwards, then its other operations; with
-    `before_step`, only operations made before that step was logged (none may be left)."""
+    `from_end`, each save's writes from its last one backwards, then its other operations."""
     targetable = baseline.crash_points()
     owner = {k: baseline.ops[baseline.mutations[k]].save for k in targetable}
     pivot = _middle_save(baseline)
     ordinals = [n for n, k in enumerate(targetable) if not only_inside or owner[k]]
     if not ordinals:
         ordinals = list(range(len(targetable)))
-    if before_step is not None:
-        ordinals = [n for n in ordinals if baseline.ops[baseline.mutations[targetable[n]]].after_step < before_step - 1]
     # The middle save's operations first, from the middle of that save outwards (where a save is
     # most likely to be half done: old state gone or new state partial), then later saves, then
     # earlier ones.
@@ -111,23 +107,12 @@ def in_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True), r)))
 
 
-def save_end_points(baseline: RecordedRun, *, nodes: bool = False,
-                    before_step: int | None = None) -> st.SearchStrategy[CrashPoint]:
+def save_end_points(baseline: RecordedRun, *, nodes: bool = False) -> st.SearchStrategy[CrashPoint]:
     """In-save points of every rank, each save from its end backwards: where a rank that follows
     finishes its part after (or without) the commit, and a missing barrier or a per-rank commit
-    shows. With `nodes`, a whole node lost there too (per_rank). With `before_step`, only points
-    the rank reached with a whole step still to train before it logs `before_step` (raises
-    NoPoints where a rank has none)."""
-    def points(run: RecordedRun, rank: int | None) -> st.SearchStrategy[CrashPoint]:
-        ordinals = _ordered_fs(run, True, from_end=True, before_step=before_step)
-        if not ordinals and before_step is not None:
-            raise NoPoints(f"rank {rank} makes no save operation with a whole step still to train after it")
-        return st.sampled_from(named(run, ordinals, rank))
-    return per_rank(baseline, points, nodes=nodes)
-
-
-class NoPoints(Exception):
-    """A strategy's restriction leaves a rank no point to draw."""
+    shows. With `nodes`, a whole node lost there too (per_rank)."""
+    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True, from_end=True), r)),
+                    nodes=nodes)
 
 
 def node_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
