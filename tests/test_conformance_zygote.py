@@ -61,6 +61,8 @@ PROXY_CASES = textwrap.dedent("""\
             f.write(str(os.getpid()))
         if mode == "exit3":
             return 3
+        if mode == "done_then_term":
+            return 0
         if mode == "env":
             return 0 if env.get("FROM_PROXY") == "yes" else 9
         if mode == "self_kill":
@@ -76,12 +78,14 @@ PROXY_CASES = textwrap.dedent("""\
 
     zygote = RankZygote.start(run_rank)
     out = {}
-    for mode in ("exit3", "env", "self_kill", "term", "count_term", "proxy_killed"):
+    for mode in ("exit3", "env", "self_kill", "term", "count_term", "done_then_term", "proxy_killed"):
         pidfile = f"{sys.argv[1]}/{mode}.pid"
         pid = os.fork()
         if pid == 0:
             os.environ.update(MODE=mode, PIDFILE=pidfile, FROM_PROXY="yes")
             proxy_rank(zygote.address)
+            if mode == "done_then_term":   # as torch's _wrap keeps a finished worker waiting
+                time.sleep(30)
             os._exit(0)
         if mode in ("term", "count_term", "proxy_killed"):
             while not os.path.exists(pidfile) or not open(pidfile).read():
@@ -94,6 +98,11 @@ PROXY_CASES = textwrap.dedent("""\
                 os._exit(0)
             os.waitpid(stranger, 0)
             time.sleep(0.2)
+            os.kill(pid, signal.SIGTERM)
+        elif mode == "done_then_term":     # the agent ends a finished worker when another failed
+            while not os.path.exists(pidfile) or not open(pidfile).read():
+                time.sleep(0.01)
+            time.sleep(0.5)
             os.kill(pid, signal.SIGTERM)
         elif mode in ("term", "proxy_killed"):
             os.kill(pid, signal.SIGTERM if mode == "term" else signal.SIGKILL)
@@ -120,6 +129,7 @@ def test_a_proxy_ends_as_its_rank_ended_and_takes_it_along(tmp_path):
         "self_kill": -9,             # a rank killed by a signal: its proxy dies by the same signal
         "term": -15,                 # the agent's SIGTERM reaches the rank
         "count_term": 11,            # once: a SIGTERM from another process is not passed on
+        "done_then_term": -15,       # a proxy whose rank has finished still dies on SIGTERM
         "proxy_killed": -9,
         "rank_outlived_proxy": False,
     }, done.stderr

@@ -17,6 +17,7 @@ from .proctree import TaskSample, process_tree, progressed, sample_tree, syscall
 
 GRACE_EXPIRED = "still running at the end of the grace period"
 STARVED_NOTE_S = 0.1   # waits for a CPU shorter than this are not worth a word in the message
+GRACE_STRETCH = 4.0    # waits for a CPU stretch a grace at most this many times (see Watchdog._grace_over)
 
 
 def grace_expired(stopped: str) -> bool:
@@ -144,15 +145,20 @@ class Watchdog:
         return {tid: t.waited for tid, t in sample_tree(pids + tracers(pids)).items()}
 
     def _grace_over(self, now: float) -> bool:
-        """Whether the grace after the stop's signal is over, counted in time the run could use: the
-        wall time since the signal less the longest any of its threads (or their tracers) has since
-        waited runnable for a CPU. On a quiet machine that is the wall time; on a loaded one a
-        trainer that exits in time whenever it gets a CPU is not killed for the machine's load
+        """Whether the grace after the stop's signal is over. After SIGTERM or SIGINT, which the
+        trainer must act on, it counts time the run could use: the wall time since the signal less
+        the longest any of its threads (or their tracers) has since waited runnable for a CPU, up
+        to GRACE_STRETCH times the grace. On a quiet machine that is the wall time; on a loaded one
+        a trainer that exits in time whenever it gets a CPU is not killed for the machine's load
         (soak seed 3548310241: ddp_async_trainer's interrupt, 2 ranks on 2 busy CPUs), while one
-        that blocks or sleeps waits on no run queue and is killed on time."""
+        that blocks or sleeps waits on no run queue and is killed on time. A frozen rank's grace
+        (hang, a lost node) is how long the others may wait, and stays wall time: threads that
+        spin while they wait would otherwise stretch it (a broken trainer's hang took 3x longer)."""
         wall = now - self.signalled_at
         if wall <= self.stop.grace_s:
             return False
+        if self.stop.signal not in ("TERM", "INT") or wall > GRACE_STRETCH * self.stop.grace_s:
+            return True
         if now - self.grace_sampled_at >= self.sample_s:
             self.grace_sampled_at = now
             at_signal = self.waits_at_signal or {}
@@ -175,7 +181,7 @@ class Watchdog:
             self.trace_offsets[i] = start + len(chunk)
             if f"--- SIG{self.stop.signal} ".encode() in chunk:
                 self.signalled_at = time.monotonic()
-                self.waits_at_signal = self._waits() if self.stop.grace_s is not None else None
+                self.waits_at_signal = self._waits() if self.stop.signal in ("TERM", "INT") else None
                 # a stopped rank stays alone, unless it stands for its whole node (a node point)
                 if self.on_signal is not None and (self.stop.signal != "STOP" or self.stop.node is not None):
                     self.on_signal(getattr(signal, f"SIG{self.stop.signal}"))

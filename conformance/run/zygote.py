@@ -200,10 +200,17 @@ def proxy_rank(address: str) -> None:
             except ProcessLookupError:
                 pass
     rc = int(replies.readline().split()[1])
+    # From here on this process is the finished worker torchrun's agent sees (its `_wrap` keeps a
+    # successful one waiting until the others end): the agent's SIGTERM must end it, as it would
+    # have ended a rank forked by the agent, not stay blocked until the agent's SIGKILL 30 s later.
+    signal.signal(STATUS_READY, signal.SIG_IGN)
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, awaited)
     if rc < 0:
-        if -rc not in (signal.SIGKILL, signal.SIGSTOP):
+        if -rc in FORWARDED:
             signal.signal(-rc, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [-rc])
         os.kill(os.getpid(), -rc)
         os._exit(128 - rc)
     if rc > 0:
