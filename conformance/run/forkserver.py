@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..model.adapters import TrainerAdapter
 from .child import run_target
+from .zygote import drain, exited_children
 
 # What a server that forks jobs imports besides torch: torchrun's launcher and the collectives.
 JOB_PRELOAD = ["torch.distributed.run", "torch.distributed.launcher.api",
@@ -189,25 +190,14 @@ def serve(preload: list[str]) -> None:
             os.close(w)
 
     def reap() -> None:
-        while running:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        for pid, rc in exited_children():
             send({"id": running.pop(pid, None), "status": rc})
 
     buf = b""
     while True:
         for key, _ in sel.select():
             if key.fd == wake_r:
-                try:
-                    while os.read(wake_r, 512):
-                        pass
-                except BlockingIOError:
-                    pass
+                drain(wake_r)
                 continue
             data = os.read(stdin_fd, 1 << 16)
             if not data:   # the client went away: no new work; let running children finish

@@ -45,6 +45,28 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def exited_children():
+    """(pid, status) of each child that has exited, without waiting; status < 0: killed by signal
+    -status, as subprocess reports it. The fork server and a job's rank zygote reap with it."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, os.waitstatus_to_exitcode(status)
+
+
+def drain(fd: int) -> None:
+    """Empty a non-blocking signal wakeup pipe (signal.set_wakeup_fd)."""
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
 def _comm() -> bytes:
     with open("/proc/self/comm", "rb") as f:
         return f.read().strip()
@@ -140,11 +162,7 @@ def _serve(listener: socket.socket, run_rank: Callable[[dict[str, str]], int]) -
                 requests[conn] = b""
                 sel.register(conn, selectors.EVENT_READ)
             elif key.fileobj == wake_r:
-                try:
-                    while os.read(wake_r, 512):
-                        pass
-                except BlockingIOError:
-                    pass
+                drain(wake_r)
             else:
                 conn = key.fileobj
                 data = conn.recv(1 << 16)
@@ -158,16 +176,9 @@ def _serve(listener: socket.socket, run_rank: Callable[[dict[str, str]], int]) -
                     if b"\n" in requests[conn]:
                         request = json.loads(requests.pop(conn).split(b"\n", 1)[0])
                         fork_rank(conn, request["env"], request["proxy"])
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, rc in exited_children():
             conn, proxy = proxy_of.pop(pid, (None, 0))
             if conn is not None:
-                rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
                 try:
                     conn.sendall(f"status {rc}\n".encode())
                     os.kill(proxy, STATUS_READY)
