@@ -9,9 +9,11 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 from conformance.model.adapters import TrainerAdapter
 from conformance.model.process import RunSpec
+from conformance.run.attach import RankAttacher, attach_strace
 from conformance.run.runners import Limits, WarmRunner
 
 # Each rank records the thread count and name of the process that forked it.
@@ -133,3 +135,43 @@ def test_a_proxy_ends_as_its_rank_ended_and_takes_it_along(tmp_path):
         "proxy_killed": -9,
         "rank_outlived_proxy": False,
     }, done.stderr
+
+
+def _announce(directory, rank: int, pid: int) -> None:
+    (directory / f"rank{rank}").write_text(str(pid))
+
+
+def _attached(attacher, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while attacher._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_rank_that_ended_before_its_strace_attached_is_the_runs_outcome_not_the_suites_failure(tmp_path):
+    """Soak seed 39: rank 0 was killed early, the agent stopped rank 1 while it waited for its
+    strace, and the suite reported "could not attach strace" as the trainer's failure."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    attacher = RankAttacher(tmp_path, {0: ["strace", "-qq", "-o", str(tmp_path / "t0"), "--"]}).start()
+    _announce(tmp_path, 0, gone.pid)
+    _attached(attacher)
+    assert (attacher.problem(), attacher.gone) == (None, [0])
+    attacher.close()
+
+
+def test_a_live_rank_strace_cannot_attach_to_stops_the_job(tmp_path):
+    """A rank that is still there but cannot be traced waits for ever: that must end the job."""
+    rank = subprocess.Popen(["sleep", "60"])
+    first = attach_strace(["strace", "-o", "/dev/null"], rank.pid)   # a second tracer is refused
+    try:
+        attacher = RankAttacher(tmp_path, {0: ["strace", "-qq", "-o", str(tmp_path / "t0"), "--"]}).start()
+        _announce(tmp_path, 0, rank.pid)
+        _attached(attacher)
+        assert attacher.gone == []
+        assert "could not attach strace to a rank" in (attacher.problem() or ""), attacher.problem()
+        attacher.kill()
+        attacher.close()
+    finally:
+        first.kill()
+        rank.kill()
+        rank.wait()

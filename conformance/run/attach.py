@@ -8,6 +8,8 @@ import threading
 import time
 from pathlib import Path
 
+from .proctree import exited
+
 
 def attach_strace(prefix: list[str], pid: int) -> subprocess.Popen:
     """Start strace on an existing (blocked) process and return once it is attached."""
@@ -41,6 +43,7 @@ class RankAttacher:
             self.go[r] = os.open(fifo, os.O_RDWR)   # never blocks; the rank opens the read end
         self.tracers: list[subprocess.Popen] = []
         self.error: BaseException | None = None
+        self.gone: list[int] = []   # ranks that ended before strace could attach
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -56,11 +59,16 @@ class RankAttacher:
                 path = self.directory / f"rank{r}"
                 if not path.exists():
                     continue
+                pid = int(path.read_text())
                 try:
-                    self.tracers.append(attach_strace(self.straces[r], int(path.read_text())))
-                except BaseException as exc:   # the rank stays blocked; the job's watchdog ends it
-                    self.error = exc
-                    return
+                    self.tracers.append(attach_strace(self.straces[r], pid))
+                except BaseException as exc:
+                    if not exited(pid):   # the rank stays blocked; the job's watchdog ends it
+                        self.error = exc
+                        return
+                    # It ended before its trace began (its agent stopped it: a peer had died
+                    # first). Its missing trace is the run's outcome, for the check to judge.
+                    self.gone.append(r)
                 os.write(self.go[r], b"g")
                 pending.discard(r)
             time.sleep(0.001)

@@ -77,6 +77,12 @@ def _stat_fields(text: str) -> tuple[str, list[str]]:
     return text[open_ + 1:close], text[close + 2:].split()
 
 
+def exited(pid: int) -> bool:
+    """Whether process `pid` has ended: gone from /proc, or a zombie its parent has not reaped."""
+    stat = _read(f"/proc/{pid}/stat")
+    return not stat or _stat_fields(stat)[1][0] in ("Z", "X")
+
+
 def read_task(pid: int, tid: int) -> TaskSample | None:
     base = f"/proc/{pid}/task/{tid}"
     stat = _read(f"{base}/stat")
