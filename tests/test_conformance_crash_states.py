@@ -231,9 +231,9 @@ def test_failing_states_keep_their_directories_and_passing_ones_are_removed(tmp_
 
     def decide(state, d):
         (d / "left.txt").write_text(state.label)
-        return (f"state {state.label} is bad" if state.label in ("3", "5") else None), None
+        return (f"state {state.label} is bad" if state.label in ("3", "5") else None), None, None
 
-    failures = decide_states(session, "power-data", "power", [State(str(n)) for n in range(8)], decide)
+    failures = decide_states(session, "power-data", "power", {State(str(n)): [] for n in range(8)}, decide)
     assert sorted(s.label for s, _, _ in failures) == ["3", "5"]
     kept = sorted(p.name.split("-")[1] for p in work.iterdir())
     assert kept == ["3", "5"] and not list(scratch.iterdir())
@@ -243,5 +243,5 @@ def test_failing_states_keep_their_directories_and_passing_ones_are_removed(tmp_
         raise RuntimeError("the judge crashed")
 
     with pytest.raises(RuntimeError):
-        decide_states(session, "states", "state", [State("9")], broken)
+        decide_states(session, "states", "state", {State("9"): []}, broken)
     assert any(p.name.startswith("state-9-") for p in work.iterdir()) and not list(scratch.iterdir())

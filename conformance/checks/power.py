@@ -17,11 +17,13 @@ from ..model import evidence
 from ..model.process import ProcessResult, RunSpec
 from ..offline import powerloss
 from ..offline.crash_states import CrashState, distinct, probe_specs, same_directory_note, save_files
+from ..offline.unseen import DirectoryView
+from ..trace import strace
 from ..trace.recording import UnreplayableTrace
 from .common import resumed_from
 from .failures import stderr_tail
 from .session import Session
-from .states import MAX_STATE_FAILURES, decide_states, resumed_past
+from .states import MAX_STATE_FAILURES, decide_states, observed_run, resumed_past
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,7 @@ class PowerState:
     intact: tuple[int, ...]      # saves whose every file survives the cut with its bytes
     lost: str                    # what the cut lost of the completed save, for messages
     content: str = ""            # digest of the directory the cut leaves
+    view: DirectoryView | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def verdict_key(self) -> tuple:
@@ -69,7 +72,7 @@ def power_states(session: Session, spec: RunSpec, model: str) -> tuple[list[Powe
         lost = _what_was_lost(cut, finals.get(completed, {})) if completed and completed not in intact else ""
         op = run.ops[i]
         states.append(PowerState(i, f"power cut before op #{i} ({run.role(i)}: {op.describe()})", completed,
-                                 run.in_progress(i), intact, lost, cut.content_key()))
+                                 run.in_progress(i), intact, lost, cut.content_key(), cut.view()))
         cuts[i] = cut
     return states, cuts
 
@@ -106,17 +109,19 @@ def decide_power_state(session: Session, spec: RunSpec, state: PowerState, cut: 
     newest = max(state.intact + (state.completed,))
     probe_state = CrashState(state.before, False, state.description, newest,
                              state.in_progress if state.in_progress and state.in_progress > newest else None)
+    named = strace.Named(frozenset(), frozenset())
     for probe in probe_specs(spec, probe_state):
         cut.materialize(ckpt)
         log.unlink(missing_ok=True)
-        result = session.runner.run_process(session.adapter, probe, ckpt, log)
+        result, more = observed_run(session, probe, ckpt, log)
+        named |= more
         if not resumed_past(result):
             break
     problem = judge_power_state(state, result, run.losses, session.tol)
     if problem and result.returncode == 0 and result.first_step and result.first_step - 1 >= state.completed \
             and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
         problem = None   # whole checkpoint: any divergence is resume_matches_baseline's
-    return problem, result
+    return problem, result, state.view.seen(named, ckpt) if state.view else None
 
 
 def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: str | None = None) -> int:
@@ -130,11 +135,13 @@ def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: st
         states = [s for s in states if s.label == only]
         if not states:
             raise ValueError(f"no power-loss state {only!r}: labels are op numbers")
-    same = distinct(states)    # cuts that leave the same directory, judged alike, are decided once
+    same = distinct(states)
+    directories = len(same)   # cuts that leave the same directory, judged alike, are decided once
     failures = decide_states(session, f"power-{model}", "power", same,
                              lambda state, d: decide_power_state(session, spec, state, cuts[state.before], d))
     evidence.record(evidence.PowerLoss(model=model, states=len(states), failed=len(failures),
-                                       failing=tuple(s.label for s, _, _ in failures), distinct=len(same)))
+                                       failing=tuple(s.label for s, _, _ in failures), distinct=directories,
+                                       resumed=len(same)))
     if failures:
         state, problem, result = failures[0]
         problem += same_directory_note(same[state], "power cuts before ops")

@@ -15,6 +15,8 @@ from pathlib import Path
 from ..model import evidence
 from ..model.process import ProcessResult, RunSpec
 from ..offline.crash_states import CrashState, build_state, crash_states, distinct, probe_specs, same_directory_note
+from ..run.runners import Tracing
+from ..trace import strace
 from ..trace.recording import UnreplayableTrace
 from .common import resumed_from
 from .failures import stderr_tail
@@ -24,31 +26,65 @@ MAX_STATE_FAILURES = 5
 STATE_WORKERS = int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1)
 
 
-def decide_states(session: Session, name: str, prefix: str, states, decide) -> list:
-    """Decide each state in a fresh directory of its own (`decide(state, directory)` returns
-    (problem or None, result)), several at once: states are independent, each one short forked
-    process. Returns [(state, problem, result)] for the failing ones, at most MAX_STATE_FAILURES
-    (enough to report: the rest are skipped). Passing states' directories are removed; failing
-    ones stay for inspection, moved next to the session's other work files when the scratch
-    directory is elsewhere (a tmpfs), whatever happens meanwhile."""
+def _group(state) -> tuple | None:
+    """States that may share a verdict without sharing a directory (unseen.py): the same judging
+    and the same names; None for a state without a view."""
+    view = getattr(state, "view", None)
+    return None if view is None else (state.verdict_key[1:], view.names)
+
+
+def decide_states(session: Session, name: str, prefix: str, same: dict, decide) -> list:
+    """Decide the states `same` holds (distinct(): each representative -> the states that leave
+    its directory), each in a fresh directory of its own: `decide(state, directory)` returns
+    (problem or None, result, the files its resume looked at or None). Several at once: states are
+    independent, each one short process.
+
+    A state whose directory differs from a decided one's only in files that one's resume never
+    looked at (unseen.py) takes its verdict without running, and moves into its list in `same`
+    (updated in place, so `len(same)` is the number decided). Each round decides at most one
+    state per group, in order, and the next round first matches the rest against it.
+
+    Returns [(state, problem, result)] for the failing ones, at most MAX_STATE_FAILURES (enough to
+    report: the rest are skipped). Passing states' directories are removed; failing ones stay for
+    inspection, moved next to the session's other work files when the scratch directory is
+    elsewhere (a tmpfs), whatever happens meanwhile."""
     root = session.case_dir(name)
 
     def one(state):
         d = Path(tempfile.mkdtemp(prefix=f"{prefix}-{state.label}-", dir=root))
-        problem, result = decide(state, d)
+        problem, result, observed = decide(state, d)
         if problem is None:
             shutil.rmtree(d, ignore_errors=True)
-        return state, problem, result
+        return state, problem, result, observed
 
     failures = []
+    decided: dict[tuple, list] = {}   # group -> [(decided state, the files its resume looked at)]
+    pending = list(same)
     try:
         with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
-            for state, problem, result in pool.map(one, states):
-                if problem:
-                    failures.append((state, problem, result))
-                    if len(failures) >= MAX_STATE_FAILURES:
-                        pool.shutdown(cancel_futures=True)
-                        break
+            while pending and len(failures) < MAX_STATE_FAILURES:
+                batch, later, taken = [], [], set()
+                for state in pending:
+                    group = _group(state)
+                    like = next((d for d, seen in decided.get(group, ()) if state.view.looks_like(d.view, seen)),
+                                None) if group else None
+                    if like is not None:
+                        same[like] = [*same[like], state, *same.pop(state)]
+                    elif group is not None and group in taken:
+                        later.append(state)
+                    else:
+                        batch.append(state)
+                        if group is not None:
+                            taken.add(group)
+                for state, problem, result, observed in pool.map(one, batch):
+                    if observed is not None and _group(state):
+                        decided.setdefault(_group(state), []).append((state, observed))
+                    if problem:
+                        failures.append((state, problem, result))
+                        if len(failures) >= MAX_STATE_FAILURES:
+                            pool.shutdown(cancel_futures=True)
+                            break
+                pending = later
     finally:
         if session.scratch != session.workdir:
             for d in root.iterdir():
@@ -85,23 +121,37 @@ def judge_state(state: CrashState, result: ProcessResult, baseline: dict[int, fl
     return None
 
 
+def observed_run(session: Session, probe: RunSpec, ckpt: Path, log: Path) -> tuple[ProcessResult, strace.Named]:
+    """One probe, traced for what it looks at (unseen.py): its result and what it named."""
+    trace = log.with_name("probe.strace")
+    result = session.runner.run_process(session.adapter, probe, ckpt, log,
+                                        tracing=Tracing.each(probe, trace, strace.observe_argv))
+    named = strace.Named(frozenset(), frozenset())
+    for text in (result.trace_text, *result.traces.values()):
+        named |= strace.named(text)
+    for f in trace.parent.glob(trace.name + "*"):
+        f.unlink()
+    return result, named
+
+
 def decide_state(session: Session, spec: RunSpec, state: CrashState, directory: Path
                  ) -> tuple[str | None, ProcessResult]:
     """Build the state under `directory`, run its probes, judge."""
     run = session.baseline(spec)
     ckpt, log = (directory / "ckpt").resolve(), (directory / "loss.jsonl").resolve()
-    probes = probe_specs(spec, state)
-    for probe in probes:
+    named = strace.Named(frozenset(), frozenset())
+    for probe in probe_specs(spec, state):
         build_state(run, state, ckpt)
         log.unlink(missing_ok=True)
-        result = session.runner.run_process(session.adapter, probe, ckpt, log)
+        result, more = observed_run(session, probe, ckpt, log)
+        named |= more
         if not resumed_past(result):
             break
     problem = judge_state(state, result, run.losses, probe, session.tol)
     if problem and result.returncode == 0 and result.first_step and result.first_step > 1 \
             and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
         problem = None   # the same steps as a plain resume from that checkpoint: it was whole
-    return problem, result
+    return problem, result, state.view.seen(named, ckpt) if state.view else None
 
 
 def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None, only: str | None = None) -> int:
@@ -117,11 +167,13 @@ def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None,
         if not states:
             raise ValueError(f"no crash state {only!r}: labels are op numbers 0..{len(run.ops) - 1}, "
                              "with a 't' suffix for a torn write")
-    same = distinct(states)    # states that leave the same directory, judged alike, are decided once
+    same = distinct(states)
+    directories = len(same)   # states that leave the same directory, judged alike, are decided once
     failures = decide_states(session, "states", "state", same,
                              lambda state, d: decide_state(session, spec, state, d))
     evidence.record(evidence.CrashStates(states=len(states), operations=len(run.mutations), failed=len(failures),
-                                         failing=tuple(s.label for s, _, _ in failures), distinct=len(same)))
+                                         failing=tuple(s.label for s, _, _ in failures), distinct=directories,
+                                         resumed=len(same)))
     if failures:
         state, problem, result = failures[0]
         others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])

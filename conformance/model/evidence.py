@@ -134,12 +134,20 @@ class CrashStates(Evidence):
     operations: int
     failed: int
     failing: tuple[str, ...] = ()
-    distinct: int = 0            # directories decided (states that leave the same one are decided once)
+    distinct: int = 0            # distinct directories (states that leave the same one are decided once)
+    resumed: int = 0             # states run (the others differ only in files a resume never looked at)
 
     def summary(self) -> str:
         return (f"{self.states} crash states rebuilt from {self.operations} recorded operations"
-                + (f" ({self.distinct} distinct directories decided)" if self.distinct else "")
+                + (f" ({decided(self.distinct, self.resumed)})" if self.distinct else "")
                 + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
+
+
+def decided(distinct: int, resumed: int) -> str:
+    if not resumed or resumed == distinct:
+        return f"{distinct} distinct directories decided"
+    return (f"{distinct} distinct directories, {resumed} resumed: the others differ from one of those only in "
+            "files its resume never looked at")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +158,11 @@ class PowerLoss(Evidence):
     failed: int
     failing: tuple[str, ...] = ()
     distinct: int = 0
+    resumed: int = 0
 
     def summary(self) -> str:
         return (f"{self.states} power-loss states ({self.model} model"
-                + (f", {self.distinct} distinct directories decided)" if self.distinct else ")")
+                + (f", {decided(self.distinct, self.resumed)})" if self.distinct else ")")
                 + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
 
 

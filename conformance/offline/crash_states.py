@@ -18,6 +18,7 @@ from pathlib import Path
 from ..model.process import RunSpec
 from ..trace import strace
 from ..trace.recording import Op, RecordedRun, UnreplayableTrace
+from .unseen import DirectoryView
 
 
 class Replayer:
@@ -44,6 +45,10 @@ class Replayer:
         inside = (sorted((p, self.gens.get(p, 0)) for p in self.files if not p.startswith("/")),
                   sorted(d for d in self.dirs if not d.startswith("/")), sorted(self.symlinks.items()))
         return hashlib.blake2b(repr(inside).encode(), digest_size=12).hexdigest()
+
+    def view(self) -> DirectoryView:
+        """What a resume could see of the state (unseen.py), files by generation."""
+        return DirectoryView.of({p: self.gens.get(p, 0) for p in self.files}, self.dirs, self.symlinks)
 
     def apply(self, op: Op, *, torn: bool = False) -> None:
         if op.error or not op.effect:
@@ -145,6 +150,7 @@ class CrashState:
     in_progress: int | None
     save_complete: bool = False   # the interrupted save's files already hold their final bytes
     content: str = ""             # Replayer.content_key() of the directory it leaves ("" unknown)
+    view: DirectoryView | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def verdict_key(self) -> tuple:
@@ -176,14 +182,15 @@ def crash_states(run: RecordedRun) -> list[CrashState]:
         if i in wanted:
             newest, in_progress = run.committed_before(i), run.in_progress(i)
             where = f"{run.role(i)}: {op.describe()}"
-            key = replayer.content_key()
-            states.append(CrashState(i, False, f"kill before op #{i} ({where})", newest, in_progress, complete[i], key))
+            key, view = replayer.content_key(), replayer.view()
+            states.append(CrashState(i, False, f"kill before op #{i} ({where})", newest, in_progress, complete[i], key,
+                                     view))
             if op.kind == "write" and op.data is not None and len(op.data) > 1:
                 # Half of a write to a file not yet renamed in shows nothing new.
                 torn = key if op.path.startswith("/") else f"{key}+torn{i}"
                 states.append(CrashState(i, True, f"kill during op #{i} ({where}), only the first "
                                          f"{torn_length(op.data)} bytes written", newest, in_progress, complete[i],
-                                         torn))
+                                         torn, view.but(op.path, f"torn{i}")))
         replayer.apply(op)
     return states
 
@@ -199,11 +206,14 @@ def distinct(states: list, key=lambda s: s.verdict_key) -> dict:
 
 def same_directory_note(alike: list, what: str) -> str:
     """For a failure message: which other states (`what` names them, e.g. "states") leave the
-    directory the failing one left, and so share its verdict; "" when none do."""
+    directory the failing one left, or one its resume could not tell from it (unseen.py), and so
+    share its verdict; "" when none do."""
     if not alike:
         return ""
+    alike = sorted(alike, key=lambda s: (s.before, getattr(s, "torn", False)))
     more = " ..." if len(alike) > 6 else ""
-    return f" ({what} {', '.join(s.label for s in alike[:6])}{more} leave the same directory)"
+    return (f" ({what} {', '.join(s.label for s in alike[:6])}{more} leave the same directory, or one that "
+            "differs only in files the resume never looked at)")
 
 
 def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:

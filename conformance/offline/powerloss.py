@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 
 from ..trace.recording import Op, RecordedRun, UnreplayableTrace
+from .unseen import DirectoryView, bytes_identity
 
 MODELS = ("data", "strict")
 
@@ -78,6 +79,10 @@ class Cut:
             h.update(self.files[p])
         h.update(repr((sorted(self.dirs), sorted(self.symlinks.items()))).encode())
         return h.hexdigest()
+
+    def view(self) -> DirectoryView:
+        """What a resume could see of this cut's directory (unseen.py)."""
+        return DirectoryView.of({p: bytes_identity(b) for p, b in self.files.items()}, self.dirs, self.symlinks)
 
     def materialize(self, directory: Path) -> None:
         if directory.exists():

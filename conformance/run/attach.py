@@ -13,7 +13,7 @@ from .proctree import exited
 
 def attach_strace(prefix: list[str], pid: int) -> subprocess.Popen:
     """Start strace on an existing (blocked) process and return once it is attached."""
-    args = [a for a in prefix if a not in ("-qq", "--")] + ["-p", str(pid)]
+    args = [a for a in prefix if a not in ("-qq", "--", "--seccomp-bpf")] + ["-p", str(pid)]
     tracer = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     seen = []

@@ -5,10 +5,10 @@ Everything the suite learns from a trace goes through `parse`: it turns strace's
 `inject=...:when=N` counts it, the entry a KILL stopped marked). `recording.py` builds the model
 of a run from these; nothing else reads strace output.
 
-strace 6.1 notes: `--seccomp-bpf` is never used, because with it strace silently skips signal
-injection. `-P PATH` is used only where it was measured to inject (`inject_on_path_argv`: a loss
-log's writes, a path every run shares), counting only the calls on that path. `when=N` counts per
-thread and per syscall.
+strace 6.1 notes: `--seccomp-bpf` is used only where nothing is injected (`observe_argv`),
+because with it strace silently skips signal injection. `-P PATH` is used only where it was
+measured to inject (`inject_on_path_argv`: a loss log's writes, a path every run shares), counting
+only the calls on that path. `when=N` counts per thread and per syscall.
 """
 from __future__ import annotations
 
@@ -197,6 +197,48 @@ def resolve(dir_arg: str | None, path_arg: str) -> str | None:
     return os.path.normpath(os.path.join(base, path)) if base else None
 
 
+# Calls that name a file without learning anything of it (offline/unseen.py).
+BLIND_CALLS = frozenset({"unlink", "unlinkat", "close"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Named:
+    """What a traced process named in calls that can learn something of a file (bytes, size,
+    times): absolute paths (fd paths, and path arguments resolved against their directory fd),
+    and the base names of relative paths it gave without one."""
+
+    paths: frozenset[str]
+    names: frozenset[str]
+
+    def __or__(self, other: Named) -> Named:
+        return Named(self.paths | other.paths, self.names | other.names)
+
+
+def named(text: str) -> Named:
+    """Every file a traced process (strace -y) named, except in calls that only remove a name or
+    let go of an fd (BLIND_CALLS)."""
+    paths: set[str] = set()
+    names: set[str] = set()
+    for sc in parse(text):
+        if sc.name in BLIND_CALLS:
+            continue
+        for i, arg in enumerate(sc.args):
+            path = fd_path(arg)
+            if path is None and arg.startswith('"'):
+                given = string_path(arg)
+                if given and not os.path.isabs(given):
+                    path = resolve(sc.args[i - 1], arg) if i else None   # *at calls: the dir fd first
+                    if path is None:
+                        names.add(os.path.basename(given.rstrip("/")))
+                        continue
+                path = path or given
+            if path:
+                paths.add(os.path.normpath(path))
+        if sc.returned_path:
+            paths.add(os.path.normpath(sc.returned_path))
+    return Named(frozenset(paths), frozenset(names))
+
+
 # -- command lines ----------------------------------------------------------------------------------
 def record_argv(trace_file: Path, *, data: bool) -> list[str]:
     """strace arguments that trace every syscall of RECORD_SYSCALLS: with `data`, every write's
@@ -204,6 +246,14 @@ def record_argv(trace_file: Path, *, data: bool) -> list[str]:
     size = MAX_DATA_BYTES if data else PATH_BYTES
     return ["strace", "-f", "-qq", "-y", "-ttt", *(["-x"] if data else []), "-s", str(size), "-o", str(trace_file),
             "-e", "trace=" + ",".join(RECORD_SYSCALLS), "--"]
+
+
+def observe_argv(trace_file: Path) -> list[str]:
+    """strace arguments that trace every call naming a path or an fd, paths only (no data): what a
+    resume looked at (named). Nothing is injected, so seccomp-bpf may filter (where
+    strace starts the process)."""
+    return ["strace", "-f", "-qq", "-y", "-s", "0", "--seccomp-bpf", "-o", str(trace_file),
+            "-e", "trace=%file,%desc", "--"]
 
 
 def inject_argv(trace_file: Path, syscall: str, nth: int, *, action: str = "signal=KILL",
