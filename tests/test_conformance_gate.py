@@ -131,6 +131,8 @@ def test_broken_trainer_fails_with_the_intended_check(run_suite, trainer):
         if not NP126_PYTHON.exists():
             pytest.skip(f"no second environment at {NP126_PYTHON} (.ci/run makes one)")
         extra = resume_python_args()
+    if check == "hang":   # a job that never gives up is reported after --hang-timeout: 12 s catch it as 30 s do
+        extra = ["--hang-timeout=12"]
     verdicts, out = run_suite(f"--adapter=fixtures.broken.{trainer}:ADAPTER", "--hypothesis-profile=quick",
                               "-k", f"test_{check} or test_determinism_precondition", *extra)
     if check != "determinism_precondition":
