@@ -110,3 +110,13 @@ def test_a_resume_that_read_everything_merges_nothing(tmp_path):
 
     assert decide_states(_session(tmp_path), "states", "state", same, decide) == []
     assert sorted(ran) == [0, 1, 2, 3] and len(same) == 4
+
+
+def test_a_probe_whose_trace_is_missing_lends_its_verdict_to_no_other_state():
+    """A rank that ended before strace attached left no trace: what it looked at is unknown."""
+    from conformance.checks.states import looked_at
+    state = State(0, "c0", view(model=1, tmp=0))
+    saw = strace.Named(frozenset({"/w/ckpt/model"}), frozenset())
+    assert looked_at(state, [saw], Path("/w/ckpt")) == {"model"}
+    assert looked_at(state, [saw, None], Path("/w/ckpt")) is None
+    assert looked_at(state, [], Path("/w/ckpt")) is None

@@ -18,12 +18,11 @@ from ..model.process import ProcessResult, RunSpec
 from ..offline import powerloss
 from ..offline.crash_states import CrashState, distinct, probe_specs, same_directory_note, save_files
 from ..offline.unseen import DirectoryView
-from ..trace import strace
 from ..trace.recording import UnreplayableTrace
 from .common import resumed_from
 from .failures import stderr_tail
 from .session import Session
-from .states import MAX_STATE_FAILURES, decide_states, observed_run, resumed_past
+from .states import MAX_STATE_FAILURES, decide_states, looked_at, observed_run, resumed_past
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,25 +102,25 @@ def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[i
 
 
 def decide_power_state(session: Session, spec: RunSpec, state: PowerState, cut: powerloss.Cut, directory: Path
-                       ) -> tuple[str | None, ProcessResult]:
+                       ) -> tuple[str | None, ProcessResult, frozenset[str] | None]:
     run = session.baseline(spec)
     ckpt, log = (directory / "ckpt").resolve(), (directory / "loss.jsonl").resolve()
     newest = max(state.intact + (state.completed,))
     probe_state = CrashState(state.before, False, state.description, newest,
                              state.in_progress if state.in_progress and state.in_progress > newest else None)
-    named = strace.Named(frozenset(), frozenset())
+    named = []
     for probe in probe_specs(spec, probe_state):
         cut.materialize(ckpt)
         log.unlink(missing_ok=True)
         result, more = observed_run(session, probe, ckpt, log)
-        named |= more
+        named.append(more)
         if not resumed_past(result):
             break
     problem = judge_power_state(state, result, run.losses, session.tol)
     if problem and result.returncode == 0 and result.first_step and result.first_step - 1 >= state.completed \
             and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
         problem = None   # whole checkpoint: any divergence is resume_matches_baseline's
-    return problem, result, state.view.seen(named, ckpt) if state.view else None
+    return problem, result, looked_at(state, named, ckpt)
 
 
 def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: str | None = None) -> int:

@@ -6,6 +6,8 @@ judged, depend on the state and the recording only.
 """
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import shutil
 import tempfile
@@ -121,37 +123,49 @@ def judge_state(state: CrashState, result: ProcessResult, baseline: dict[int, fl
     return None
 
 
-def observed_run(session: Session, probe: RunSpec, ckpt: Path, log: Path) -> tuple[ProcessResult, strace.Named]:
-    """One probe, traced for what it looks at (unseen.py): its result and what it named."""
+def observed_run(session: Session, probe: RunSpec, ckpt: Path, log: Path) -> tuple[ProcessResult, strace.Named | None]:
+    """One probe, traced for what it looks at (unseen.py): its result and what it named (None
+    if a process's trace is missing: a rank that ended before strace attached)."""
     trace = log.with_name("probe.strace")
     result = session.runner.run_process(session.adapter, probe, ckpt, log,
                                         tracing=Tracing.each(probe, trace, strace.observe_argv))
-    named = strace.Named(frozenset(), frozenset())
-    for text in (result.trace_text, *result.traces.values()):
-        named |= strace.named(text)
+    texts = [result.traces.get(r, "") for r in range(probe.world_size)] if probe.is_job else [result.trace_text]
     for f in trace.parent.glob(trace.name + "*"):
         f.unlink()
+    if not all(texts):
+        return result, None
+    named = strace.named(texts[0])
+    for text in texts[1:]:
+        named |= strace.named(text)
     return result, named
 
 
+def looked_at(state, named: list[strace.Named | None], root: Path) -> frozenset[str] | None:
+    """The files of `state` (built at `root`) its probes could have learned anything of, from
+    what each named; None if unknown."""
+    if getattr(state, "view", None) is None or not named or None in named:
+        return None
+    return state.view.seen(functools.reduce(operator.or_, named), root)
+
+
 def decide_state(session: Session, spec: RunSpec, state: CrashState, directory: Path
-                 ) -> tuple[str | None, ProcessResult]:
-    """Build the state under `directory`, run its probes, judge."""
+                 ) -> tuple[str | None, ProcessResult, frozenset[str] | None]:
+    """Build the state under `directory`, run its probes, judge; with the files they looked at."""
     run = session.baseline(spec)
     ckpt, log = (directory / "ckpt").resolve(), (directory / "loss.jsonl").resolve()
-    named = strace.Named(frozenset(), frozenset())
+    named = []
     for probe in probe_specs(spec, state):
         build_state(run, state, ckpt)
         log.unlink(missing_ok=True)
         result, more = observed_run(session, probe, ckpt, log)
-        named |= more
+        named.append(more)
         if not resumed_past(result):
             break
     problem = judge_state(state, result, run.losses, probe, session.tol)
     if problem and result.returncode == 0 and result.first_step and result.first_step > 1 \
             and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
         problem = None   # the same steps as a plain resume from that checkpoint: it was whole
-    return problem, result, state.view.seen(named, ckpt) if state.view else None
+    return problem, result, looked_at(state, named, ckpt)
 
 
 def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None, only: str | None = None) -> int:
