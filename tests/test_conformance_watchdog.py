@@ -205,8 +205,10 @@ def _grace_watch(tmp_path, children, trainer: str, grace_s: float, seconds: floa
 
 
 def test_a_starved_trainer_that_needs_less_cpu_than_the_grace_is_not_killed(tmp_path, children):
-    """1 s of CPU after the signal, a 2 s grace, a quarter of one CPU: ~4 s of wall time, allowed."""
-    busy = "import time\nprint('up', flush=True)\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass"
+    """0.6 s of CPU after the signal, a 2 s grace, at most a quarter of one CPU: 2.4 s of wall time or
+    more, allowed (up to the 4x cap: 8 s, a thirteenth of the CPU, which a test run beside a
+    load-4 soak once came close to with 1 s of CPU)."""
+    busy = "import time\nprint('up', flush=True)\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass"
     problem, took, proc = _grace_watch(tmp_path, children, busy, grace_s=2.0, seconds=30)
     assert problem is None, problem
     assert proc.returncode == 0 and took > 2.0, (proc.returncode, took)   # it did outlast the wall-clock grace
