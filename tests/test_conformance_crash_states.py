@@ -229,7 +229,7 @@ def test_failing_states_keep_their_directories_and_passing_ones_are_removed(tmp_
     session = SimpleNamespace(scratch=scratch, workdir=work,
                               case_dir=lambda name: Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch)))
 
-    def decide(state, d):
+    def decide(state, d, _observe):
         (d / "left.txt").write_text(state.label)
         return (f"state {state.label} is bad" if state.label in ("3", "5") else None), None, None
 
@@ -238,7 +238,7 @@ def test_failing_states_keep_their_directories_and_passing_ones_are_removed(tmp_
     kept = sorted(p.name.split("-")[1] for p in work.iterdir())
     assert kept == ["3", "5"] and not list(scratch.iterdir())
 
-    def broken(state, d):
+    def broken(state, d, _observe):
         (d / "left.txt").write_text(state.label)
         raise RuntimeError("the judge crashed")
 

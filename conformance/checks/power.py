@@ -101,8 +101,8 @@ def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[i
     return None
 
 
-def decide_power_state(session: Session, spec: RunSpec, state: PowerState, cut: powerloss.Cut, directory: Path
-                       ) -> tuple[str | None, ProcessResult, frozenset[str] | None]:
+def decide_power_state(session: Session, spec: RunSpec, state: PowerState, cut: powerloss.Cut, directory: Path,
+                       observe: bool = True) -> tuple[str | None, ProcessResult, frozenset[str] | None]:
     run = session.baseline(spec)
     ckpt, log = (directory / "ckpt").resolve(), (directory / "loss.jsonl").resolve()
     newest = max(state.intact + (state.completed,))
@@ -112,7 +112,7 @@ def decide_power_state(session: Session, spec: RunSpec, state: PowerState, cut: 
     for probe in probe_specs(spec, probe_state):
         cut.materialize(ckpt)
         log.unlink(missing_ok=True)
-        result, more = observed_run(session, probe, ckpt, log)
+        result, more = observed_run(session, probe, ckpt, log, observe)
         named.append(more)
         if not resumed_past(result):
             break
@@ -137,7 +137,8 @@ def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: st
     same = distinct(states)
     directories = len(same)   # cuts that leave the same directory, judged alike, are decided once
     failures = decide_states(session, f"power-{model}", "power", same,
-                             lambda state, d: decide_power_state(session, spec, state, cuts[state.before], d))
+                             lambda state, d, observe: decide_power_state(session, spec, state, cuts[state.before], d,
+                                                                          observe))
     evidence.record(evidence.PowerLoss(model=model, states=len(states), failed=len(failures),
                                        failing=tuple(s.label for s, _, _ in failures), distinct=directories,
                                        resumed=len(same)))

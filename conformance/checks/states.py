@@ -11,6 +11,7 @@ import operator
 import os
 import shutil
 import tempfile
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,14 +38,15 @@ def _group(state) -> tuple | None:
 
 def decide_states(session: Session, name: str, prefix: str, same: dict, decide) -> list:
     """Decide the states `same` holds (distinct(): each representative -> the states that leave
-    its directory), each in a fresh directory of its own: `decide(state, directory)` returns
-    (problem or None, result, the files its resume looked at or None). Several at once: states are
-    independent, each one short process.
+    its directory), each in a fresh directory of its own: `decide(state, directory, observe)`
+    returns (problem or None, result, the files its resume looked at or None: traced only with
+    `observe`). Several at once: states are independent, each one short process.
 
     A state whose directory differs from a decided one's only in files that one's resume never
     looked at (unseen.py) takes its verdict without running, and moves into its list in `same`
     (updated in place, so `len(same)` is the number decided). Each round decides at most one
-    state per group, in order, and the next round first matches the rest against it.
+    state per group, in order, and the next round first matches the rest against it. A state
+    alone in its group runs untraced: no other state could take its verdict.
 
     Returns [(state, problem, result)] for the failing ones, at most MAX_STATE_FAILURES (enough to
     report: the rest are skipped). Passing states' directories are removed; failing ones stay for
@@ -52,9 +54,9 @@ def decide_states(session: Session, name: str, prefix: str, same: dict, decide) 
     elsewhere (a tmpfs), whatever happens meanwhile."""
     root = session.case_dir(name)
 
-    def one(state):
+    def one(state, observe: bool):
         d = Path(tempfile.mkdtemp(prefix=f"{prefix}-{state.label}-", dir=root))
-        problem, result, observed = decide(state, d)
+        problem, result, observed = decide(state, d, observe)
         if problem is None:
             shutil.rmtree(d, ignore_errors=True)
         return state, problem, result, observed
@@ -78,7 +80,9 @@ def decide_states(session: Session, name: str, prefix: str, same: dict, decide) 
                         batch.append(state)
                         if group is not None:
                             taken.add(group)
-                for state, problem, result, observed in pool.map(one, batch):
+                sizes = Counter(_group(state) for state in (*batch, *later))   # what is left to decide
+                observe = [_group(state) is not None and sizes[_group(state)] > 1 for state in batch]
+                for state, problem, result, observed in pool.map(one, batch, observe):
                     if observed is not None and _group(state):
                         decided.setdefault(_group(state), []).append((state, observed))
                     if problem:
@@ -123,9 +127,13 @@ def judge_state(state: CrashState, result: ProcessResult, baseline: dict[int, fl
     return None
 
 
-def observed_run(session: Session, probe: RunSpec, ckpt: Path, log: Path) -> tuple[ProcessResult, strace.Named | None]:
-    """One probe, traced for what it looks at (unseen.py): its result and what it named (None
-    if a process's trace is missing: a rank that ended before strace attached)."""
+def observed_run(session: Session, probe: RunSpec, ckpt: Path, log: Path, observe: bool = True
+                 ) -> tuple[ProcessResult, strace.Named | None]:
+    """One probe, with `observe` traced for what it looks at (unseen.py): its result and what it
+    named (None untraced, or if a process's trace is missing: a rank that ended before strace
+    attached)."""
+    if not observe:
+        return session.runner.run_process(session.adapter, probe, ckpt, log), None
     trace = log.with_name("probe.strace")
     result = session.runner.run_process(session.adapter, probe, ckpt, log,
                                         tracing=Tracing.each(probe, trace, strace.observe_argv))
@@ -148,7 +156,7 @@ def looked_at(state, named: list[strace.Named | None], root: Path) -> frozenset[
     return state.view.seen(functools.reduce(operator.or_, named), root)
 
 
-def decide_state(session: Session, spec: RunSpec, state: CrashState, directory: Path
+def decide_state(session: Session, spec: RunSpec, state: CrashState, directory: Path, observe: bool = True
                  ) -> tuple[str | None, ProcessResult, frozenset[str] | None]:
     """Build the state under `directory`, run its probes, judge; with the files they looked at."""
     run = session.baseline(spec)
@@ -157,7 +165,7 @@ def decide_state(session: Session, spec: RunSpec, state: CrashState, directory: 
     for probe in probe_specs(spec, state):
         build_state(run, state, ckpt)
         log.unlink(missing_ok=True)
-        result, more = observed_run(session, probe, ckpt, log)
+        result, more = observed_run(session, probe, ckpt, log, observe)
         named.append(more)
         if not resumed_past(result):
             break
@@ -184,7 +192,7 @@ def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None,
     same = distinct(states)
     directories = len(same)   # states that leave the same directory, judged alike, are decided once
     failures = decide_states(session, "states", "state", same,
-                             lambda state, d: decide_state(session, spec, state, d))
+                             lambda state, d, observe: decide_state(session, spec, state, d, observe))
     evidence.record(evidence.CrashStates(states=len(states), operations=len(run.mutations), failed=len(failures),
                                          failing=tuple(s.label for s, _, _ in failures), distinct=directories,
                                          resumed=len(same)))
