@@ -198,7 +198,7 @@ def test_power_cuts_that_leave_the_same_directory_share_a_key(tmp_path):
     cuts = dict(powerloss.cuts(run, "data"))
     writes = [o.index for o in run.ops if o.kind == "write" and o.path == "step-3/.a.tmp"]
     fsync = next(o.index for o in run.ops if o.kind == "fsync")
-    keys = {i: cut.content_key() for i, cut in cuts.items()}
+    keys = {i: cut.view().key for i, cut in cuts.items()}
     assert len({keys[i] for i in writes}) == 1
     assert keys[fsync + 1] != keys[writes[0]]      # the fsynced bytes survive
     for i, cut in cuts.items():

@@ -65,13 +65,14 @@ def power_states(session: Session, spec: RunSpec, model: str) -> tuple[list[Powe
     finals = save_files(run)
     states, cuts = [], {}
     for i, cut in powerloss.cuts(run, model):
+        view = cut.view()
         intact = tuple(s for s, files in sorted(finals.items())
                        if files and all(cut.files.get(p) == b for p, b in files.items()))
         completed = run.committed_before(i)
         lost = _what_was_lost(cut, finals.get(completed, {})) if completed and completed not in intact else ""
         op = run.ops[i]
         states.append(PowerState(i, f"power cut before op #{i} ({run.role(i)}: {op.describe()})", completed,
-                                 run.in_progress(i), intact, lost, cut.content_key(), cut.view()))
+                                 run.in_progress(i), intact, lost, view.key, view))
         cuts[i] = cut
     return states, cuts
 

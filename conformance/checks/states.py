@@ -142,10 +142,7 @@ def observed_run(session: Session, probe: RunSpec, ckpt: Path, log: Path, observ
         f.unlink()
     if not all(texts):
         return result, None
-    named = strace.named(texts[0])
-    for text in texts[1:]:
-        named |= strace.named(text)
-    return result, named
+    return result, functools.reduce(operator.or_, map(strace.named, texts))
 
 
 def looked_at(state, named: list[strace.Named | None], root: Path) -> frozenset[str] | None:

@@ -10,7 +10,6 @@ milliseconds; checks/states.py decides each one with a short resume.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -38,16 +37,10 @@ class Replayer:
         self._next_gen += 1
         self.gens[path] = self._next_gen
 
-    def content_key(self) -> str:
-        """A digest of what the state shows inside the checkpoint directory (files by generation,
-        directories, symlinks): equal keys, equal directories. An fsync changes nothing a kill
-        leaves, so the states before and after it share a key."""
-        inside = (sorted((p, self.gens.get(p, 0)) for p in self.files if not p.startswith("/")),
-                  sorted(d for d in self.dirs if not d.startswith("/")), sorted(self.symlinks.items()))
-        return hashlib.blake2b(repr(inside).encode(), digest_size=12).hexdigest()
-
     def view(self) -> DirectoryView:
-        """What a resume could see of the state (unseen.py), files by generation."""
+        """What the state shows inside the checkpoint directory (unseen.py), files by generation;
+        its `key`: equal keys, equal directories. An fsync changes nothing a kill leaves, so the
+        states before and after it share a key."""
         return DirectoryView.of({p: self.gens.get(p, 0) for p in self.files}, self.dirs, self.symlinks)
 
     def apply(self, op: Op, *, torn: bool = False) -> None:
@@ -149,7 +142,7 @@ class CrashState:
     newest_committed: int
     in_progress: int | None
     save_complete: bool = False   # the interrupted save's files already hold their final bytes
-    content: str = ""             # Replayer.content_key() of the directory it leaves ("" unknown)
+    content: str = ""             # the key of the directory it leaves (Replayer.view; "" unknown)
     view: DirectoryView | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -182,7 +175,8 @@ def crash_states(run: RecordedRun) -> list[CrashState]:
         if i in wanted:
             newest, in_progress = run.committed_before(i), run.in_progress(i)
             where = f"{run.role(i)}: {op.describe()}"
-            key, view = replayer.content_key(), replayer.view()
+            view = replayer.view()
+            key = view.key
             states.append(CrashState(i, False, f"kill before op #{i} ({where})", newest, in_progress, complete[i], key,
                                      view))
             if op.kind == "write" and op.data is not None and len(op.data) > 1:

@@ -18,7 +18,6 @@ and an fsync through any name makes them durable.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import posixpath
 import shutil
@@ -71,17 +70,8 @@ class Cut:
     lost_data: dict[str, str]      # path -> why its bytes are not what the run last wrote
     lost_entries: dict[str, str]   # path -> which directory-entry operation did not persist
 
-    def content_key(self) -> str:
-        """A digest of the directory this cut leaves: equal keys, equal directories."""
-        h = hashlib.blake2b(digest_size=12)
-        for p in sorted(self.files):
-            h.update(f"f {p} {len(self.files[p])}\n".encode())
-            h.update(self.files[p])
-        h.update(repr((sorted(self.dirs), sorted(self.symlinks.items()))).encode())
-        return h.hexdigest()
-
     def view(self) -> DirectoryView:
-        """What a resume could see of this cut's directory (unseen.py)."""
+        """What this cut's directory holds (unseen.py); its `key`: equal keys, equal directories."""
         return DirectoryView.of({p: bytes_identity(b) for p, b in self.files.items()}, self.dirs, self.symlinks)
 
     def materialize(self, directory: Path) -> None:

@@ -7,7 +7,9 @@ strace shows with its path); getdents shows names alone, and every name is the s
 states. So if the trainer is deterministic (the determinism precondition) and every file it named
 holds the same bytes in the other state, it makes the same calls there, names the same files and
 reaches the same verdict. A call that only removes a name (unlink) learns nothing of the file.
-Base names are compared, never full paths: a name too many only costs one more resume.
+Paths inside the checkpoint directory are compared whole; a path outside it, or one whose
+directory the trace does not show, counts by its base name: a name too many only costs one more
+resume.
 """
 from __future__ import annotations
 
@@ -36,6 +38,12 @@ class DirectoryView:
         links = {p: t for p, t in symlinks.items() if not p.startswith("/")}
         names = repr((sorted(inside), sorted(d for d in dirs if not d.startswith("/")), sorted(links.items())))
         return cls(hashlib.blake2b(names.encode(), digest_size=12).hexdigest(), inside, links)
+
+    @property
+    def key(self) -> str:
+        """A digest of the whole directory: equal keys, equal directories (names and bytes)."""
+        whole = repr((self.names, sorted(self.contents.items())))
+        return hashlib.blake2b(whole.encode(), digest_size=12).hexdigest()
 
     def but(self, path: str, identity: object) -> DirectoryView:
         """The same view with one file's bytes changed (a torn write)."""

@@ -226,12 +226,12 @@ def named(text: str) -> Named:
             path = fd_path(arg)
             if path is None and arg.startswith('"'):
                 given = string_path(arg)
-                if given and not os.path.isabs(given):
-                    path = resolve(sc.args[i - 1], arg) if i else None   # *at calls: the dir fd first
-                    if path is None:
-                        names.add(os.path.basename(given.rstrip("/")))
-                        continue
-                path = path or given
+                if not given:
+                    continue
+                path = resolve(sc.args[i - 1] if i else None, arg)   # *at calls: the dir fd comes first
+                if path is None:
+                    names.add(os.path.basename(given.rstrip("/")))
+                    continue
             if path:
                 paths.add(os.path.normpath(path))
         if sc.returned_path:
