@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,28 @@ def test_cold_tier_over_s3_through_the_suites_loopback_server(run_suite):
                               "--hypothesis-profile=quick", "-k", "node_loss or determinism")
     assert verdicts.get("test_node_loss", ("missing",))[0] == "passed", out[-3000:]
     assert verdicts["test_determinism_precondition"][0] == "passed", out[-3000:]
+
+
+def _stderr_block(message: str) -> list[str]:
+    """The `stderr:` lines of a failure message (its `    | ` lines after the `stderr:` header)."""
+    lines = message.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "stderr:") + 1
+    return [line.strip() for line in lines[start:] if line.startswith("    | ")][:6] or ["(none)"]
+
+
+def test_an_io_error_failure_shows_the_same_stderr_tail_in_the_run_and_in_its_replay(run_suite, tmp_path):
+    """Issue 24: a pytest run once showed an empty `stderr:` where `replay` of the same case showed
+    torch's message. The faulted process's stderr tail is the trainer's own last words, the same
+    by either way in, and for a torch.save that hit ENOSPC it is torch's."""
+    verdicts, out = run_suite("--adapter=fixtures.broken.in_place_write:ADAPTER", "--hypothesis-profile=quick",
+                              "-k", "test_io_error and enospc")
+    outcome, message = verdicts.get("test_io_error[enospc]", ("missing", out[-3000:]))
+    assert outcome == "failed" and "without naming the error on stderr" in message, message[:3000]
+    in_run = _stderr_block(message)
+    assert "unexpected pos" in in_run[-1], message[:3000]
+    replay = next(line.split("replay:", 1)[1].strip() for line in message.splitlines() if line.strip().startswith("replay:"))
+    argv = shlex.split(replay)
+    assert argv[:4] == ["python", "-m", "conformance", "replay"], replay
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "FAIL" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _stderr_block(proc.stdout) == in_run, proc.stdout[-3000:]
