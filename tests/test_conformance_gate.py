@@ -173,9 +173,10 @@ def test_cold_tier_over_s3_through_the_suites_loopback_server(run_suite):
 
 
 def _stderr_block(message: str) -> list[str]:
-    """The `stderr:` lines of a failure message (its `    | ` lines after the `stderr:` header)."""
+    """The `stderr:` lines of a failure message (its `    | ` lines after the last `stderr:` header:
+    a JUnit verdict holds pytest's shortened message first, then the whole one)."""
     lines = message.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip() == "stderr:") + 1
+    start = max(i for i, line in enumerate(lines) if line.strip().endswith("stderr:")) + 1
     return [line.strip() for line in lines[start:] if line.startswith("    | ")][:6] or ["(none)"]
 
 
