@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_conformance_gate import HANG_TIMEOUT
+
 pytestmark = [pytest.mark.slow, pytest.mark.needs_strace]
 
 TRAINERS = {"lightning": "fixtures.real.lightning_trainer", "accelerate": "fixtures.real.accelerate_trainer",
@@ -38,9 +40,7 @@ def test_suite_verdicts_match_the_recorded_findings(run_suite, library):
         pytest.skip(f"no recorded findings for this version of {library}")
     if not NP126_PYTHON.exists():
         pytest.skip(f"no numpy 1.26 interpreter at {NP126_PYTHON} for upgrade_resume (.ci/run makes one)")
-    # A 2-rank trainer's hang examples each wait out its collective timeout, a third of
-    # --hang-timeout: 5 s at 15 s, as in tests/test_conformance_gate.py.
-    hang = ["--hang-timeout=15"] if trainer.ADAPTER.world_size > 1 else []
+    hang = [HANG_TIMEOUT] if trainer.ADAPTER.world_size > 1 else []   # why: tests/test_conformance_gate.py
     verdicts, out = run_suite(f"--adapter={trainer.ADAPTER.spec}", "--hypothesis-profile=quick",
                               f"--resume-python={NP126_PYTHON}", *hang)
     _assert_verdicts(library, trainer.EXPECTED, verdicts, out)
