@@ -64,12 +64,13 @@ def pytest_configure(config):
 
 
 def _expected_length(item) -> int:
-    """0 for the longest tests (real-library and multi-rank gate runs, minutes each), 1 for other
+    """0 for the longest tests (real-library and multi-rank gate runs, groups of broken trainers), 1 for other
     subprocess tests, 2 for the rest: under -n auto the long ones start first, and short ones fill
     the end, so no worker is left running one long test alone."""
     if not item.get_closest_marker("slow"):
         return 2
-    return 0 if any(k in item.nodeid for k in ("test_real_trainers", "ddp", "chain_trainer", "tiered_trainer")) else 1
+    return 0 if any(k in item.nodeid for k in ("test_real_trainers", "ddp", "chain_trainer", "tiered_trainer",
+                                                "test_broken_trainers_fail")) else 1
 
 
 def pytest_collection_modifyitems(config, items):
@@ -105,6 +106,13 @@ def repo_root() -> Path:
     return REPO
 
 
+# `python -m pytest`, less the interpreter's teardown once pytest.main has returned (every hook,
+# JUnit XML included, has run by then): with torch imported that teardown costs about 0.8 s of
+# CPU, paid by every pytest subprocess these fixtures start.
+PYTEST = (sys.executable, "-c", "import os, sys, pytest\ncode = pytest.console_main()\n"
+                               "sys.stdout.flush()\nsys.stderr.flush()\nos._exit(code)")
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTEST_XDIST_WORKER", None)
@@ -117,11 +125,38 @@ def run_pytest(tmp_path):
     `env` adds variables to this process's environment."""
     def run(*args: str, cwd: Path | None = None, timeout: float = 900,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
+        return subprocess.run([*PYTEST, "-p", "no:cacheprovider", "-q", "-rs",
                                "-W", "ignore::DeprecationWarning", f"--basetemp={tmp_path / 'bt'}", *args],
                               cwd=cwd or tmp_path, env={**_env(), **(env or {})}, capture_output=True, text=True,
                               timeout=timeout)
     return run
+
+
+def _verdicts(xml: Path) -> dict[tuple[str, str], tuple[str, str]]:
+    """{(class, test name): (outcome, message)} from a JUnit XML file (class: the last part of its
+    classname, the ResumeConformance subclass)."""
+    verdicts = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (el.get("message") or "") + "\n" + (el.text or "")
+        verdicts[(case.get("classname", "").rsplit(".", 1)[-1], case.get("name"))] = (outcome, message)
+    return verdicts
+
+
+def _run_conformance(tmp_path: Path, target: list[str], args: tuple[str, ...], sigint_ignored: bool = False):
+    """pytest on `target` with the suite's report in JUnit XML: (verdicts by class and test, console output)."""
+    xml = tmp_path / "junit.xml"
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    proc = subprocess.run(
+        [*PYTEST, *target, "-p", "no:cacheprovider", "-q",
+         f"--junitxml={xml}", f"--basetemp={tmp_path / 'suite'}", "-W", "ignore::DeprecationWarning", *args],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500, preexec_fn=ignore)
+    assert xml.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _verdicts(xml), proc.stdout + proc.stderr
 
 
 @pytest.fixture
@@ -130,21 +165,23 @@ def run_suite(tmp_path):
     run as a team does, `pytest --pyargs conformance`, verdicts read from its JUnit XML."""
     def run(*args: str, sigint_ignored: bool = False) -> tuple[dict[str, tuple[str, str]], str]:
         """`sigint_ignored`: start it as a shell starts a background job (SIGINT ignored)."""
-        xml = tmp_path / "junit.xml"
-        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
-             f"--junitxml={xml}", f"--basetemp={tmp_path / 'suite'}", "-W", "ignore::DeprecationWarning", *args],
-            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500, preexec_fn=ignore)
-        assert xml.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-        verdicts = {}
-        for case in ET.parse(xml).getroot().iter("testcase"):
-            outcome, message = "passed", ""
-            for tag in ("failure", "error", "skipped"):
-                el = case.find(tag)
-                if el is not None:
-                    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                    message = (el.get("message") or "") + "\n" + (el.text or "")
-            verdicts[case.get("name")] = (outcome, message)
-        return verdicts, proc.stdout + proc.stderr
+        verdicts, out = _run_conformance(tmp_path, ["--pyargs", "conformance"], args, sigint_ignored)
+        return {name: verdict for (_, name), verdict in verdicts.items()}, out
+    return run
+
+
+@pytest.fixture
+def run_suite_classes(tmp_path):
+    """run_suite_classes({class name: adapter}, {class name: [test names]}, *args) -> ({(class name, test
+    name): (outcome, message)}, console output): several trainers in one pytest process, each a
+    ResumeConformance subclass in a test module of its own (as a team tests several trainers),
+    only the named tests of each run (node ids: a parameterised check's `test_x[param]`, or all its
+    params as `test_x`)."""
+    def run(adapters: dict[str, str], tests: dict[str, list[str]], *args: str):
+        lines = ["from conformance import ResumeConformance", ""]
+        for cls, adapter in adapters.items():
+            lines += ["", f"class {cls}(ResumeConformance):", f"    adapter = {adapter!r}", ""]
+        (tmp_path / "test_trainers.py").write_text("\n".join(lines))
+        ids = [f"test_trainers.py::{cls}::{test}" for cls, names in tests.items() for test in names]
+        return _run_conformance(tmp_path, ids, args)
     return run

@@ -127,35 +127,78 @@ def test_save_order_that_varies_is_named_in_both_runs(run_suite):
     assert "differ between two uninterrupted runs" in verdicts["test_no_torn_state"][1]
 
 
-@pytest.mark.parametrize("trainer", sorted(CATALOGUE))
-def test_broken_trainer_fails_with_the_intended_check(run_suite, trainer):
-    bug, check = CATALOGUE[trainer]
-    if trainer in ("chain_retention_drops_base", "chain_latest_before_write", "compressed_piece_without_length"):
-        pytest.importorskip("zstandard", reason=f"{trainer} compresses: it needs the 'compression' extra")
-    if trainer.startswith("inflight_"):
-        pytest.importorskip("safetensors", reason=f"{trainer} writes commit-marker checkpoints: it needs the "
-                            "'safetensors' extra")
-    if trainer in ("cold_without_marker", "branch_overwrites", "rotation_drops_best"):
-        pytest.importorskip("fsspec", reason=f"{trainer} has a cold tier: it needs the 'cold' extra")
-    extra = []
+# The extra a broken trainer needs beyond the README's install (its tests skip without it).
+BROKEN_EXTRAS = {"chain_retention_drops_base": "compression", "chain_latest_before_write": "compression",
+                 "compressed_piece_without_length": "compression", "inflight_live_snapshot": "safetensors",
+                 "inflight_prunes_before_commit": "safetensors", "cold_without_marker": "cold",
+                 "branch_overwrites": "cold", "rotation_drops_best": "cold"}
+# Trainers judged together in one pytest process: each costs the suite's start-up (about 3.5 s of
+# CPU importing torch, hypothesis and the plugin) once per group instead of once per trainer.
+BROKEN_GROUP_SIZE = 6
+
+
+def _suite_options(check: str) -> tuple[str, ...]:
+    """Options a check needs beyond the profile: the second environment for upgrade_resume, and
+    for hang a shorter limit (a job that never gives up is reported after --hang-timeout: 12 s catch
+    it as 30 s do). Trainers whose checks need other options run in groups of their own."""
     if check.startswith("upgrade_resume"):
-        if not NP126_PYTHON.exists():
-            pytest.skip(f"no second environment at {NP126_PYTHON} (.ci/run makes one)")
-        extra = resume_python_args()
-    if check == "hang":   # a job that never gives up is reported after --hang-timeout: 12 s catch it as 30 s do
-        extra = ["--hang-timeout=12"]
-    verdicts, out = run_suite(f"--adapter=fixtures.broken.{trainer}:ADAPTER", "--hypothesis-profile=quick",
-                              "-k", f"test_{check} or test_determinism_precondition", *extra)
-    if check != "determinism_precondition":
-        assert verdicts.get("test_determinism_precondition", ("missing",))[0] == "passed", verdicts
-    failed = {name: message for name, (outcome, message) in verdicts.items()
+        return tuple(resume_python_args())
+    return ("--hang-timeout=12",) if check == "hang" else ()
+
+
+def _broken_groups() -> list[list[str]]:
+    """CATALOGUE's trainers in groups that need the same extra and the same suite options."""
+    by_kind: dict[tuple, list[str]] = {}
+    for trainer in sorted(CATALOGUE):
+        check = CATALOGUE[trainer][1]
+        kind = (BROKEN_EXTRAS.get(trainer, ""), check.startswith("upgrade_resume"), check == "hang")
+        by_kind.setdefault(kind, []).append(trainer)
+    return [names[i:i + BROKEN_GROUP_SIZE] for _, names in sorted(by_kind.items())
+            for i in range(0, len(names), BROKEN_GROUP_SIZE)]
+
+
+def test_the_broken_groups_hold_every_catalogued_trainer_once():
+    grouped = [t for group in _broken_groups() for t in group]
+    assert sorted(grouped) == sorted(CATALOGUE)
+    assert set(BROKEN_EXTRAS) <= set(CATALOGUE)
+
+
+def _caught_problem(trainer: str, verdicts: dict, out: str) -> str | None:
+    """Why a broken trainer's verdicts fall short (None when its intended check caught it: failed
+    with its id, a replay line and a fix line, after a passing determinism precondition)."""
+    bug, check = CATALOGUE[trainer]
+    mine = {name: v for (cls, name), v in verdicts.items() if cls == f"Test_{trainer}"}
+    if check != "determinism_precondition" and mine.get("test_determinism_precondition", ("missing",))[0] != "passed":
+        return f"{trainer}: determinism_precondition did not pass: {mine}"
+    failed = {name: message for name, (outcome, message) in mine.items()
               if outcome == "failed" and (name == f"test_{check}" or name.startswith(f"test_{check}["))}
-    assert failed, f"{trainer} ({bug}) was not caught by {check}: {verdicts}\n{out[-2000:]}"
+    if not failed:
+        return f"{trainer} ({bug}) was not caught by {check}: {mine}\n{out[-2000:]}"
     message = next(iter(failed.values()))
-    assert f"[{check}" in message, message[:2000]
-    assert "replay:   python -m conformance replay" in message
-    assert re.search(r"  replay:   python -m conformance replay .*\n  fix:      .+ \(docs/checks\.md#"
-                     + re.escape(check.split("[")[0]) + r"\)", message), message[:3000]
+    if f"[{check}" not in message or "replay:   python -m conformance replay" not in message:
+        return f"{trainer}: its failure lacks the check id or the replay line:\n{message[:2000]}"
+    if not re.search(r"  replay:   python -m conformance replay .*\n  fix:      .+ \(docs/checks\.md#"
+                     + re.escape(check.split("[")[0]) + r"\)", message):
+        return f"{trainer}: its failure lacks the fix line after the replay line:\n{message[:3000]}"
+    return None
+
+
+@pytest.mark.parametrize("trainers", _broken_groups(), ids="+".join)
+def test_broken_trainers_fail_with_the_intended_check(run_suite_classes, require_extras, trainers):
+    extra = BROKEN_EXTRAS.get(trainers[0])
+    if extra:
+        require_extras(extra)
+    check = CATALOGUE[trainers[0]][1]
+    if check.startswith("upgrade_resume") and not NP126_PYTHON.exists():
+        pytest.skip(f"no second environment at {NP126_PYTHON} (.ci/run makes one)")
+    tests = {f"Test_{t}": [f"test_{CATALOGUE[t][1]}", "test_determinism_precondition"] for t in trainers}
+    for names in tests.values():
+        if names[0] == names[1]:
+            names.pop()
+    verdicts, out = run_suite_classes({f"Test_{t}": f"fixtures.broken.{t}:ADAPTER" for t in trainers}, tests,
+                                      "--hypothesis-profile=quick", *_suite_options(check))
+    problems = [p for t in trainers if (p := _caught_problem(t, verdicts, out))]
+    assert not problems, "\n\n".join(problems)
 
 
 def test_ctrl_c_reaches_the_trainer_when_the_suite_was_started_with_sigint_ignored(run_suite):
