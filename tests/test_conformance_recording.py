@@ -144,6 +144,37 @@ def test_real_strace_injection_kills_at_the_planned_rename(tmp_path):
     assert (run.killed_op().path, run.killed_op().target) == ("t1", "f1")
 
 
+@pytest.mark.needs_strace
+def test_recordings_and_error_injections_filter_in_the_kernel_and_record_what_full_tracing_records(tmp_path):
+    """record_argv and an error injection run with --seccomp-bpf (strace stops only at the traced
+    calls of a process it starts); a signal injection cannot, and keeps full tracing. What a
+    recording holds is the same either way, and the error still lands on its call."""
+    script = ("import os,sys; d=sys.argv[1]\n"
+              "for i in range(3):\n"
+              "    fd=os.open(f'{d}/t{i}', os.O_WRONLY|os.O_CREAT); os.write(fd, b'x'*10); os.fsync(fd); os.close(fd)\n"
+              "    os.rename(f'{d}/t{i}', f'{d}/f{i}')\n")
+    assert "--seccomp-bpf" in strace.record_argv(tmp_path / "t", data=True)
+    assert "--seccomp-bpf" in strace.inject_argv(tmp_path / "t", "write", 2, action="error=ENOSPC")
+    assert "--seccomp-bpf" not in strace.inject_argv(tmp_path / "t", "write", 2, action="signal=TERM")
+
+    def ops(argv: list[str], name: str) -> tuple[subprocess.CompletedProcess, list[tuple]]:
+        root = tmp_path / name
+        root.mkdir()
+        out = tmp_path / f"{name}.trace"
+        proc = subprocess.run(argv[:argv.index("-o") + 1] + [str(out)] + argv[argv.index("-o") + 2:]
+                              + [sys.executable, "-c", script, str(root)], capture_output=True, text=True)
+        calls = [(c.name, c.nth, tuple(a.replace(str(root), "ROOT") for a in c.args),
+                  (c.ret or "").replace(str(root), "ROOT"))
+                 for c in strace.parse(out.read_text()) if any(str(root) in a for a in c.args)]
+        return proc, calls
+    filtered = strace.record_argv(tmp_path / "t", data=True)
+    full = [a for a in filtered if a != "--seccomp-bpf"]
+    assert ops(filtered, "bpf")[1] == ops(full, "full")[1]
+    proc, calls = ops(strace.inject_argv(tmp_path / "t", "write", 2, action="error=ENOSPC"), "enospc")
+    assert proc.returncode == 1 and "No space left on device" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "enospc").iterdir()) == ["f0", "t1"]
+
+
 def test_in_a_job_a_mkdir_that_found_the_directory_is_the_ranks_operation_with_no_effect():
     """Every rank of a DCP job creates `step-N/`; which one gets EEXIST is a race, so each rank's
     call is its operation (its crash points stay the same run to run) and changes nothing."""
