@@ -194,10 +194,8 @@ def test_broken_trainers_fail_with_the_intended_check(run_suite_classes, require
     check = CATALOGUE[trainers[0]][1]
     if check.startswith("upgrade_resume") and not NP126_PYTHON.exists():
         pytest.skip(f"no second environment at {NP126_PYTHON} (.ci/run makes one)")
-    tests = {f"Test_{t}": [f"test_{CATALOGUE[t][1]}", "test_determinism_precondition"] for t in trainers}
-    for names in tests.values():
-        if names[0] == names[1]:
-            names.pop()
+    tests = {f"Test_{t}": list(dict.fromkeys([f"test_{CATALOGUE[t][1]}", "test_determinism_precondition"]))
+             for t in trainers}
     verdicts, out = run_suite_classes({f"Test_{t}": f"fixtures.broken.{t}:ADAPTER" for t in trainers}, tests,
                                       "--hypothesis-profile=quick", *_suite_options(check))
     problems = [p for t in trainers if (p := _caught_problem(t, verdicts, out))]
