@@ -157,20 +157,19 @@ def test_recordings_and_error_injections_filter_in_the_kernel_and_record_what_fu
     assert "--seccomp-bpf" in strace.inject_argv(tmp_path / "t", "write", 2, action="error=ENOSPC")
     assert "--seccomp-bpf" not in strace.inject_argv(tmp_path / "t", "write", 2, action="signal=TERM")
 
-    def ops(argv: list[str], name: str) -> tuple[subprocess.CompletedProcess, list[tuple]]:
+    def ops(argv_for, name: str) -> tuple[subprocess.CompletedProcess, list[tuple]]:
         root = tmp_path / name
         root.mkdir()
         out = tmp_path / f"{name}.trace"
-        proc = subprocess.run(argv[:argv.index("-o") + 1] + [str(out)] + argv[argv.index("-o") + 2:]
-                              + [sys.executable, "-c", script, str(root)], capture_output=True, text=True)
+        proc = subprocess.run(argv_for(out) + [sys.executable, "-c", script, str(root)], capture_output=True, text=True)
         calls = [(c.name, c.nth, tuple(a.replace(str(root), "ROOT") for a in c.args),
                   (c.ret or "").replace(str(root), "ROOT"))
                  for c in strace.parse(out.read_text()) if any(str(root) in a for a in c.args)]
         return proc, calls
-    filtered = strace.record_argv(tmp_path / "t", data=True)
-    full = [a for a in filtered if a != "--seccomp-bpf"]
+    filtered = lambda f: strace.record_argv(f, data=True)
+    full = lambda f: [a for a in strace.record_argv(f, data=True) if a != "--seccomp-bpf"]
     assert ops(filtered, "bpf")[1] == ops(full, "full")[1]
-    proc, calls = ops(strace.inject_argv(tmp_path / "t", "write", 2, action="error=ENOSPC"), "enospc")
+    proc, calls = ops(lambda f: strace.inject_argv(f, "write", 2, action="error=ENOSPC"), "enospc")
     assert proc.returncode == 1 and "No space left on device" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (tmp_path / "enospc").iterdir()) == ["f0", "t1"]
 
