@@ -13,7 +13,7 @@ import time
 
 from conformance.model.adapters import TrainerAdapter
 from conformance.model.process import RunSpec
-from conformance.run.attach import RankAttacher, attach_strace
+from conformance.run.attach import RankAttacher, announce_pid, attach_strace
 from conformance.run.runners import Limits, WarmRunner
 
 # Each rank records the thread count and name of the process that forked it.
@@ -137,10 +137,6 @@ def test_a_proxy_ends_as_its_rank_ended_and_takes_it_along(tmp_path):
     }, done.stderr
 
 
-def _announce(directory, rank: int, pid: int) -> None:
-    (directory / f"rank{rank}").write_text(str(pid))
-
-
 def _attached(attacher, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while attacher._thread.is_alive() and time.monotonic() < deadline:
@@ -153,7 +149,7 @@ def test_a_rank_that_ended_before_its_strace_attached_is_the_runs_outcome_not_th
     gone = subprocess.Popen(["true"])
     gone.wait()
     attacher = RankAttacher(tmp_path, {0: ["strace", "-qq", "-o", str(tmp_path / "t0"), "--"]}).start()
-    _announce(tmp_path, 0, gone.pid)
+    announce_pid(tmp_path, 0, gone.pid)
     _attached(attacher)
     assert (attacher.problem(), attacher.gone) == (None, [0])
     attacher.close()
@@ -165,7 +161,7 @@ def test_a_live_rank_strace_cannot_attach_to_stops_the_job(tmp_path):
     first = attach_strace(["strace", "-o", "/dev/null"], rank.pid)   # a second tracer is refused
     try:
         attacher = RankAttacher(tmp_path, {0: ["strace", "-qq", "-o", str(tmp_path / "t0"), "--"]}).start()
-        _announce(tmp_path, 0, rank.pid)
+        announce_pid(tmp_path, 0, rank.pid)
         _attached(attacher)
         assert attacher.gone == []
         assert "could not attach strace to a rank" in (attacher.problem() or ""), attacher.problem()

@@ -28,9 +28,16 @@ def attach_strace(prefix: list[str], pid: int) -> subprocess.Popen:
     return tracer
 
 
+def announce_pid(directory: Path, rank: int, pid: int) -> None:
+    """A traced warm rank tells the suite its pid: written whole (temp name, then rename), since
+    `RankAttacher` reads the file as soon as the name exists."""
+    tmp = directory / f".rank{rank}.tmp"
+    tmp.write_text(str(pid))
+    os.replace(tmp, directory / f"rank{rank}")
+
 
 class RankAttacher:
-    """Warm jobs: as each traced rank announces its pid (rank.warm_rank), attach its strace and
+    """Warm jobs: as each traced rank announces its pid (`announce_pid`), attach its strace and
     release it. `start()` returns this object, which the fork server client waits on like a
     single strace (`wait`, `kill`)."""
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..model.process import mark_restart
 from . import launch
+from .attach import announce_pid
 from .child import run_target
 from .zygote import RankZygote, proxy_rank
 
@@ -69,9 +70,7 @@ def warm_rank(target: str, argv: list[str], kind: str, env: dict[str, str]) -> i
     if prefix and announce:
         go = Path(announce) / f"go.rank{rank}"
         fd = os.open(go, os.O_RDONLY)   # the suite holds the FIFO's write end open: never blocks
-        tmp = Path(announce) / f".rank{rank}.tmp"
-        tmp.write_text(str(os.getpid()))
-        os.replace(tmp, Path(announce) / f"rank{rank}")
+        announce_pid(Path(announce), rank, os.getpid())
         os.read(fd, 1)                  # released once strace is attached
         os.close(fd)
     return run_target(target, argv, dict(os.environ), kind)
