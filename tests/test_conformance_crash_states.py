@@ -245,3 +245,69 @@ def test_failing_states_keep_their_directories_and_passing_ones_are_removed(tmp_
     with pytest.raises(RuntimeError):
         decide_states(session, "states", "state", {State("9"): []}, broken)
     assert any(p.name.startswith("state-9-") for p in work.iterdir()) and not list(scratch.iterdir())
+
+
+class _CountingRunner:
+    """Stands in for a runner: counts the resumes it is asked for; a traced one 'opens' the
+    checkpoint file, so what it named is under the directory it ran in."""
+
+    limits = None
+
+    def __init__(self):
+        self.calls = []
+
+    def run_process(self, adapter, spec, ckpt_dir, loss_log, *, tracing=None, stop=None):
+        self.calls.append((spec.total_steps, ckpt_dir, tracing is not None))
+        text = f'1 openat(AT_FDCWD</>, "{ckpt_dir}/step-3/a", O_RDONLY) = 3<{ckpt_dir}/step-3/a>\n'
+        return ProcessResult(0, {4: 0.5}, f"resumed in {ckpt_dir}", trace_text=text if tracing else "")
+
+    def close(self):
+        pass
+
+
+def test_a_kill_and_a_power_cut_that_leave_the_same_files_share_one_resume(tmp_path):
+    """crash_states and power_loss resume in many of the same directories (a cut that lost nothing
+    unsynced leaves what a kill leaves): the second asks the session, which runs each (probe,
+    directory content) once. The content is read from disk, so how a directory was built does not
+    matter; what a kept run named moves with it to the directory that asks."""
+    from types import SimpleNamespace
+
+    from conformance.checks.session import Session
+    from conformance.checks.states import observed_run
+    from conformance.offline import powerloss
+    from conformance.offline.unseen import DirectoryView
+
+    run = parse_recording(RECORDING)
+    kills = {s.before: s for s in crash_states(run) if not s.torn}
+    cuts = dict(powerloss.cuts(run, "data"))
+    rename = next(o.index for o in run.ops if o.kind == "rename")
+    fsync = next(o.index for o in run.ops if o.kind == "fsync")
+    build_state(run, kills[rename], tmp_path / "kill" / "ckpt")
+    cuts[rename].materialize(tmp_path / "cut" / "ckpt")           # after the fsync: nothing was lost
+    cuts[fsync].materialize(tmp_path / "lossy" / "ckpt")          # before it: the written bytes are lost
+    build_state(run, kills[fsync], tmp_path / "kill-early" / "ckpt")
+    key = {name: DirectoryView.read(tmp_path / name / "ckpt").key for name in ("kill", "cut", "lossy", "kill-early")}
+    assert key["kill"] == key["cut"] and key["lossy"] != key["kill-early"]
+
+    runner = _CountingRunner()
+    session = Session(SimpleNamespace(), tmp_path / "work", runner=runner)
+    probe = RunSpec(8, 3, 0)
+
+    def resume(name, spec=probe, observe=False):
+        return observed_run(session, spec, tmp_path / name / "ckpt", tmp_path / name / "loss.jsonl", observe)
+
+    first, _ = resume("kill")
+    again, _ = resume("cut")
+    assert (len(runner.calls), session.resumes_shared) == (1, 1)
+    assert again.stderr == first.stderr == f"resumed in {tmp_path / 'kill' / 'ckpt'}"
+    resume("lossy")
+    resume("cut", spec=probe.but(total_steps=5))                  # another probe is another run
+    assert (len(runner.calls), session.resumes_shared) == (3, 1)
+    # An unobserved run cannot say what a resume looked at: an observing request runs again,
+    # and is then kept for the next one, which sees it under its own directory.
+    _, named = resume("cut", observe=True)
+    assert runner.calls[-1] == (8, tmp_path / "cut" / "ckpt", True) and len(runner.calls) == 4
+    _, named = resume("kill", observe=True)
+    assert len(runner.calls) == 4 and session.resumes_shared == 2
+    assert f"{tmp_path}/kill/ckpt/step-3/a" in named.paths and not any("/cut/" in p for p in named.paths)
+    session.close()

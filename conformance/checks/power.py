@@ -137,12 +137,13 @@ def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: st
             raise ValueError(f"no power-loss state {only!r}: labels are op numbers")
     same = distinct(states)
     directories = len(same)   # cuts that leave the same directory, judged alike, are decided once
+    shared = session.resumes_shared
     failures = decide_states(session, f"power-{model}", "power", same,
                              lambda state, d, observe: decide_power_state(session, spec, state, cuts[state.before], d,
                                                                           observe))
     evidence.record(evidence.PowerLoss(model=model, states=len(states), failed=len(failures),
                                        failing=tuple(s.label for s, _, _ in failures), distinct=directories,
-                                       resumed=len(same)))
+                                       resumed=len(same), shared=session.resumes_shared - shared))
     if failures:
         state, problem, result = failures[0]
         problem += same_directory_note(same[state], "power cuts before ops")

@@ -61,6 +61,8 @@ class Session:
                                     stall_s=process_timeout / 2 if process_timeout else 120.0)
         self._cache: dict[tuple, object] = {}
         self._lock = threading.RLock()   # crash states ask from several threads: compute each value once
+        self._resumes: dict[tuple, tuple] = {}   # (probe, directory key) -> (result, what it named, where it ran)
+        self.resumes_shared = 0                  # how many resumes shared_resume did not run again
 
     def _cached(self, key: tuple, compute):
         """compute() once per key; a failure is kept and raised again (a trainer that hangs costs
@@ -75,6 +77,24 @@ class Session:
             if kind == "raise":
                 raise value
             return value
+
+    def shared_resume(self, probe: RunSpec, content: str, observe: bool, run) -> tuple:
+        """A resume of `probe` in a state directory whose files are `content` (DirectoryView.read's
+        key): `run()` once per session, which returns (result, what it named or None, the state
+        directory it ran in). The offline checks leave many of the same directories: a power cut
+        that lost nothing unsynced leaves what a kill there leaves. A kept run that was not
+        observed does not answer an `observe` request (unseen.py needs what it named)."""
+        key = (probe, content)
+        with self._lock:
+            kept = self._resumes.get(key)
+            if kept is not None and (kept[1] is not None or not observe):
+                self.resumes_shared += 1
+                return kept
+        result, named, where = run()
+        kept = (dataclasses.replace(result, traces={}, trace_text=""), named, where)
+        with self._lock:
+            self._resumes[key] = kept
+        return kept
 
     def limits_after(self, baseline: RecordedRun) -> Limits:
         """Per-process limits once a baseline's duration is known: twenty times it (at least 120 s)

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..model import evidence
 from ..model.process import ProcessResult, RunSpec
 from ..offline.crash_states import CrashState, build_state, crash_states, distinct, probe_specs, same_directory_note
+from ..offline.unseen import DirectoryView
 from ..run.runners import Tracing
 from ..trace import strace
 from ..trace.recording import UnreplayableTrace
@@ -131,7 +132,19 @@ def observed_run(session: Session, probe: RunSpec, ckpt: Path, log: Path, observ
                  ) -> tuple[ProcessResult, strace.Named | None]:
     """One probe, with `observe` traced for what it looks at (unseen.py): its result and what it
     named (None untraced, or if a process's trace is missing: a rank that ended before strace
-    attached)."""
+    attached). Run once per directory content in a session (Session.shared_resume): crash_states
+    and power_loss share it."""
+    state_dir = ckpt.parent
+    result, named, where = session.shared_resume(
+        probe, DirectoryView.read(ckpt).key, observe,
+        lambda: (*_observed_run(session, probe, ckpt, log, observe), state_dir))
+    if named is not None and where != state_dir:
+        named = named.rebased(str(where), str(state_dir))
+    return result, named
+
+
+def _observed_run(session: Session, probe: RunSpec, ckpt: Path, log: Path, observe: bool
+                  ) -> tuple[ProcessResult, strace.Named | None]:
     if not observe:
         return session.runner.run_process(session.adapter, probe, ckpt, log), None
     trace = log.with_name("probe.strace")
@@ -188,11 +201,12 @@ def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None,
                              "with a 't' suffix for a torn write")
     same = distinct(states)
     directories = len(same)   # states that leave the same directory, judged alike, are decided once
+    shared = session.resumes_shared
     failures = decide_states(session, "states", "state", same,
                              lambda state, d, observe: decide_state(session, spec, state, d, observe))
     evidence.record(evidence.CrashStates(states=len(states), operations=len(run.mutations), failed=len(failures),
                                          failing=tuple(s.label for s, _, _ in failures), distinct=directories,
-                                         resumed=len(same)))
+                                         resumed=len(same), shared=session.resumes_shared - shared))
     if failures:
         state, problem, result = failures[0]
         others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])

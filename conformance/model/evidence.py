@@ -136,18 +136,21 @@ class CrashStates(Evidence):
     failing: tuple[str, ...] = ()
     distinct: int = 0            # distinct directories (states that leave the same one are decided once)
     resumed: int = 0             # states run (the others differ only in files a resume never looked at)
+    shared: int = 0              # resumes another offline check had run in a directory with the same files
 
     def summary(self) -> str:
         return (f"{self.states} crash states rebuilt from {self.operations} recorded operations"
-                + (f" ({decided(self.distinct, self.resumed)})" if self.distinct else "")
+                + (f" ({decided(self.distinct, self.resumed, self.shared)})" if self.distinct else "")
                 + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
 
 
-def decided(distinct: int, resumed: int) -> str:
+def decided(distinct: int, resumed: int, shared: int = 0) -> str:
+    reused = (f"; {shared} of those resumes were run once for another offline check, in a directory with the same "
+              "files" if shared else "")
     if not resumed or resumed == distinct:
-        return f"{distinct} distinct directories decided"
+        return f"{distinct} distinct directories decided" + reused
     return (f"{distinct} distinct directories, {resumed} resumed: the others differ from one of those only in "
-            "files its resume never looked at")
+            "files its resume never looked at" + reused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +162,11 @@ class PowerLoss(Evidence):
     failing: tuple[str, ...] = ()
     distinct: int = 0
     resumed: int = 0
+    shared: int = 0
 
     def summary(self) -> str:
         return (f"{self.states} power-loss states ({self.model} model"
-                + (f", {decided(self.distinct, self.resumed)})" if self.distinct else ")")
+                + (f", {decided(self.distinct, self.resumed, self.shared)})" if self.distinct else ")")
                 + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
 
 

@@ -39,6 +39,26 @@ class DirectoryView:
         names = repr((sorted(inside), sorted(d for d in dirs if not d.startswith("/")), sorted(links.items())))
         return cls(hashlib.blake2b(names.encode(), digest_size=12).hexdigest(), inside, links)
 
+    @classmethod
+    def read(cls, root: Path) -> DirectoryView:
+        """The view of a directory on disk, its files by their bytes: equal keys for equal trees,
+        however each was built (a replayed kill, a power cut)."""
+        files: dict[str, str] = {}
+        dirs: set[str] = set()
+        symlinks: dict[str, str] = {}
+        for here, subdirs, names in os.walk(root):
+            for name in subdirs + names:
+                path = os.path.join(here, name)
+                rel = os.path.relpath(path, root)
+                if os.path.islink(path):
+                    symlinks[rel] = os.readlink(path)
+                elif name in subdirs:
+                    dirs.add(rel)
+                else:
+                    with open(path, "rb") as f:
+                        files[rel] = bytes_identity(f.read())
+        return cls.of(files, dirs, symlinks)
+
     @property
     def key(self) -> str:
         """A digest of the whole directory: equal keys, equal directories (names and bytes)."""

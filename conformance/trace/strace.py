@@ -216,6 +216,12 @@ class Named:
     def __or__(self, other: Named) -> Named:
         return Named(self.paths | other.paths, self.names | other.names)
 
+    def rebased(self, old: str, new: str) -> Named:
+        """What the same process would have named had it run under `new` instead of `old`."""
+        def moved(path: str) -> str:
+            return new + path[len(old):] if path == old or path.startswith(old + "/") else path
+        return Named(frozenset(map(moved, self.paths)), self.names)
+
 
 def named(text: str) -> Named:
     """Every file a traced process (strace -y) named, except in calls that only remove a name or
