@@ -23,6 +23,7 @@ benchmark.
 """
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import statistics
@@ -107,7 +108,14 @@ def sparse_embedding_fraction(directory: Path, rows: int = 200_000, dim: int = 6
 
 
 def trained_weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """An MLP trained with AdamW for 300 steps on a regression task (not fresh initial values)."""
+    """An MLP trained with AdamW for 300 steps on a regression task (not fresh initial values), in
+    `dtype`."""
+    return {k: v.to(dtype, copy=True) for k, v in _trained_fp32().items()}
+
+
+@functools.cache
+def _trained_fp32() -> dict[str, torch.Tensor]:
+    """Trained once per process: every dtype's weights are these, converted (training is fp32)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
                                 torch.nn.GELU(), torch.nn.Linear(1024, 256))
@@ -120,7 +128,7 @@ def trained_weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def compression_ratios(levels: tuple[int, ...] = (DEFAULT_LEVEL, 3)) -> dict[str, Any]:
