@@ -73,8 +73,9 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto` runs one worker more than there are CPUs: the tests wait on their subprocesses
     (collective timeouts, barriers, kills), and a third worker on 2 cores fills those waits.
     Measured here, one full run each: 2 workers 950 s with 278 CPU-seconds idle, 3 workers 899 s
-    with 71 idle. PYTEST_XDIST_AUTO_NUM_WORKERS still overrides it."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+    with 71 idle. PYTEST_XDIST_AUTO_NUM_WORKERS still overrides it, and the suite run as a team runs
+    it (`--pyargs conformance`) keeps xdist's own count."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or config.option.pyargs:
         return None
     return len(os.sched_getaffinity(0)) + 1
 

@@ -124,6 +124,24 @@ def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
         os._exit(code)
 
 
+# torch.manual_seed (and set_rng_state) queue each lazy device's seed with
+# traceback.format_stack(), which reads every file on the stack through linecache: torch's own
+# seeding modules and the trainer's, in every child again (8 files, about 40 of the reference
+# trainer's 584 syscalls under ptrace). Read once here, children keep them; linecache still checks
+# each file's size and time before using it.
+SEEDING_MODULES = ("torch.random", "torch._compile", "torch._dynamo.eval_frame", "runpy", "conformance.run.child",
+                   *(f"torch.{device}{sub}" for device in ("cuda", "xpu", "mtia", "mps") for sub in ("", ".random")))
+
+
+def read_seeding_sources(preload: list[str]) -> None:
+    """Fill linecache with the source of the modules on a seeding call's stack (those loaded)."""
+    import linecache
+    for name in (*SEEDING_MODULES, *preload):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path and path.endswith(".py"):
+            linecache.getlines(path)
+
+
 def serve(preload: list[str]) -> None:
     """Single-threaded (forking from a threaded process is unsafe): a select loop over requests on
     stdin and SIGCHLD (through a wakeup pipe); several children may run at once."""
@@ -148,6 +166,7 @@ def serve(preload: list[str]) -> None:
         except Exception as exc:  # a module that cannot be preloaded is simply imported per child
             print(f"forkserver: cannot preload {module}: {exc!r}", file=sys.stderr)
     sys.dont_write_bytecode = True
+    read_seeding_sources(preload)
     import selectors
 
     wake_r, wake_w = os.pipe()
