@@ -157,6 +157,8 @@ sys.stdout.flush()
 sys.stderr.flush()
 os._exit(code)
 """
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(PRELOAD)
 
 
 @functools.cache
@@ -195,9 +197,6 @@ def run_python_pytest(args: list[str], *, cwd: Path, env: dict[str, str], timeou
             raise subprocess.TimeoutExpired([*PYTEST, *args], timeout, output=read(out), stderr=read(err))
         return subprocess.CompletedProcess([*PYTEST, *args], child.exitcode, read(out), read(err))
 
-
-_FORKS = multiprocessing.get_context("forkserver")
-_FORKS.set_forkserver_preload(PRELOAD)
 
 
 def _env() -> dict[str, str]:

@@ -126,10 +126,10 @@ def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
 
 # torch.manual_seed (and set_rng_state) queue each lazy device's seed with
 # traceback.format_stack(), which reads every file on the stack through linecache: torch's own
-# seeding modules and the trainer's, in every child again (8 files, about 40 of the reference
-# trainer's 584 syscalls under ptrace). Read once here, children keep them; linecache still checks
-# each file's size and time before using it.
-SEEDING_MODULES = ("torch.random", "torch._compile", "torch._dynamo.eval_frame", "runpy", "conformance.run.child",
+# seeding modules, the child runner and the trainer's, in every child again (9 files for the
+# reference trainer, about 40 of its 584 syscalls under ptrace; runpy is frozen, never read). Read
+# once here, children keep them; linecache still checks each file's size and time before using it.
+SEEDING_MODULES = ("torch.random", "torch._compile", "torch._dynamo.eval_frame", "conformance.run.child",
                    *(f"torch.{device}{sub}" for device in ("cuda", "xpu", "mtia", "mps") for sub in ("", ".random")))
 
 
