@@ -175,12 +175,12 @@ def test_a_live_rank_strace_cannot_attach_to_stops_the_job(tmp_path):
 
 def test_a_seeding_call_in_a_child_reads_no_source_the_fork_server_has_read(monkeypatch):
     """torch.manual_seed formats the stack for each lazy device; the fork server reads those files
-    once (forkserver.read_seeding_sources), so its children do not read them again."""
+    once (warmup.read_seeding_sources), so its children do not read them again."""
     import linecache
 
     import torch
 
-    from conformance.run.forkserver import SEEDING_MODULES, read_seeding_sources
+    from conformance.run.warmup import SEEDING_MODULES, read_seeding_sources
     linecache.clearcache()
     read_seeding_sources(["conformance.run.forkserver"])
     read = []
@@ -188,7 +188,7 @@ def test_a_seeding_call_in_a_child_reads_no_source_the_fork_server_has_read(monk
     monkeypatch.setattr(linecache, "updatecache", lambda filename, *a: read.append(filename) or real(filename, *a))
     with torch.random.fork_rng():
         torch.manual_seed(1234)
-    ours = {sys.modules[m].__file__ for m in SEEDING_MODULES if m in sys.modules}
+    ours = {path for m in SEEDING_MODULES if (path := getattr(sys.modules.get(m), "__file__", None))}
     assert torch.random.__file__ in ours and not ours & set(read), sorted(ours & set(read))
     linecache.clearcache()
     read.clear()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import itertools
 import json
 import os
@@ -36,7 +35,8 @@ import threading
 from pathlib import Path
 
 from ..model.adapters import TrainerAdapter
-from .child import run_target
+from .forked import SpareChild
+from .warmup import huge_page_tunables, warm_up
 from .zygote import drain, exited_children
 
 # What a server that forks jobs imports besides torch: torchrun's launcher and the collectives.
@@ -93,80 +93,10 @@ def warm_target(adapter: TrainerAdapter) -> tuple[WarmTarget | None, str]:
 
 
 # -- server side ----------------------------------------------------------------------------------
-def _child(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int,
-           then_env: dict[str, str] | None = None, kind: str = "module", job: list[str] | None = None) -> None:
-    if job is not None:
-        os.setsid()   # the job (agent and ranks) is one process group: stopped with one signal
-    os.read(go_fd, 1)
-    os.close(go_fd)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(err, 2)
-    signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C raises KeyboardInterrupt (runners.terminal_signals)
-    import warnings
-    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
-                            category=RuntimeWarning)
-    if job is not None:
-        os.environ.clear()
-        os.environ.update(env)
-        from .rank import run_job
-        code = run_job(job, module, argv, kind)
-    else:
-        code = run_target(module, argv, env, kind)
-    if code == 0 and then_env is not None:   # a second run in the same process (diagnosis)
-        code = run_target(module, argv, then_env, kind)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-# torch.manual_seed (and set_rng_state) queue each lazy device's seed with
-# traceback.format_stack(), which reads every file on the stack through linecache: torch's own
-# seeding modules, the child runner and the trainer's, in every child again (9 files for the
-# reference trainer, about 40 of its 584 syscalls under ptrace; runpy is frozen, never read). Read
-# once here, children keep them; linecache still checks each file's size and time before using it.
-SEEDING_MODULES = ("torch.random", "torch._compile", "torch._dynamo.eval_frame", "conformance.run.child",
-                   *(f"torch.{device}{sub}" for device in ("cuda", "xpu", "mtia", "mps") for sub in ("", ".random")))
-
-
-def read_seeding_sources(preload: list[str]) -> None:
-    """Fill linecache with the source of the modules on a seeding call's stack (those loaded)."""
-    import linecache
-    for name in (*SEEDING_MODULES, *preload):
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if path and path.endswith(".py"):
-            linecache.getlines(path)
-
-
 def serve(preload: list[str]) -> None:
     """Single-threaded (forking from a threaded process is unsafe): a select loop over requests on
     stdin and SIGCHLD (through a wakeup pipe); several children may run at once."""
-    import torch  # noqa: F401  (import only: no tensor op, no CUDA call before forking)
-    # torch imports these lazily in every child otherwise: dynamo on the first optimizer
-    # construction (seconds), the profiler's CUPTI monitor on the first optimizer step and the
-    # serialization helpers on the first torch.save (~10 ms together, per trial process). Import
-    # only; none starts a thread. A module this torch lacks is simply not preloaded.
-    for lazy in ("torch._dynamo", "torch.profiler._cupti_monitor", "torch.utils.serialization"):
-        try:
-            importlib.import_module(lazy)
-        except ModuleNotFoundError:
-            pass
-        except Exception as exc:
-            print(f"forkserver: cannot preload {lazy}: {exc!r}", file=sys.stderr)
-    # Bytecode may be cached for the trainer's module here, so children running it as __main__
-    # skip compiling it; children never write bytecode (it would shift their write counts).
-    sys.dont_write_bytecode = False
-    for module in preload:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # a module that cannot be preloaded is simply imported per child
-            print(f"forkserver: cannot preload {module}: {exc!r}", file=sys.stderr)
-    sys.dont_write_bytecode = True
-    read_seeding_sources(preload)
+    warm_up(preload)
     import selectors
 
     wake_r, wake_w = os.pipe()
@@ -184,22 +114,25 @@ def serve(preload: list[str]) -> None:
     def send(obj) -> None:
         os.write(1, (json.dumps(obj) + "\n").encode())
 
+    def fork_spare() -> SpareChild:
+        return SpareChild.fork((wake_r, wake_w, *(gw for _, gw in waiting.values())))
+
+    # A child is forked ahead of its request, so the fork (a few ms: the page tables of torch's
+    # imports) overlaps the client's work instead of delaying each trainer process.
+    spare = fork_spare()
+
     def handle(req: dict) -> None:
+        nonlocal spare
         rid = req.get("id")
         if req["op"] == "fork":
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (w, wake_r, wake_w, *(gw for _, gw in waiting.values())):
-                    os.close(fd)
-                _child(req["module"], req["argv"], req["env"], req["stderr"], r, req.get("then"),
-                       req.get("kind", "module"), req.get("job"))
-            os.close(r)
-            running[pid] = rid
-            waiting[rid] = (pid, w)
-            send({"id": rid, "pid": pid})
+            child, spare = spare, None
+            if not child.hand(req):   # it died unused (killed from outside): fork one now
+                child = fork_spare()
+                child.hand(req)
+            running[child.pid] = rid
+            waiting[rid] = (child.pid, child.go)
+            send({"id": rid, "pid": child.pid})
+            spare = fork_spare()
         elif req["op"] in ("go", "abort") and rid in waiting:
             pid, w = waiting.pop(rid)
             if req["op"] == "go":
@@ -210,6 +143,9 @@ def serve(preload: list[str]) -> None:
 
     def reap() -> None:
         for pid, rc in exited_children():
+            if spare is not None and pid == spare.pid:   # died unused: replaced when next asked for
+                spare.reaped = True
+                continue
             send({"id": running.pop(pid, None), "status": rc})
 
     buf = b""
@@ -220,6 +156,8 @@ def serve(preload: list[str]) -> None:
                 continue
             data = os.read(stdin_fd, 1 << 16)
             if not data:   # the client went away: no new work; let running children finish
+                if spare is not None:
+                    spare.discard()
                 for pid, _ in waiting.values():
                     _kill(pid)
                 while running:
@@ -244,6 +182,7 @@ class ForkServer:
     def __init__(self, preload: list[str], env: dict[str, str] | None = None, interpreter: str | None = None):
         env = dict(env if env is not None else os.environ)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
+        env["GLIBC_TUNABLES"] = huge_page_tunables(env.get("GLIBC_TUNABLES"))
         self.proc = subprocess.Popen([interpreter or sys.executable, "-m", "conformance.run.forkserver", *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._send_lock = threading.Lock()

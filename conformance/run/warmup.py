@@ -1,0 +1,106 @@
+"""What a fork server does once, before it forks, so that none of its children does it again.
+
+A child traced for a kill stops twice in strace for each of its syscalls (about 80 us a call on
+2 cores), so work every child repeats costs each trial: torch's lazy imports, the source lines
+torch's seeding call formats, CPU detection, the bytecode of the trainer's module. None of it
+starts a thread or runs a tensor op, so the children still start with no thread pool and no
+device state.
+"""
+from __future__ import annotations
+
+import importlib
+import linecache
+import sys
+
+# torch imports these lazily in every child otherwise: dynamo on the first optimizer construction
+# (seconds), the profiler's CUPTI monitor on the first optimizer step and the serialization helpers
+# on the first torch.save (~10 ms together, per trial process). A module this torch lacks is skipped.
+LAZY_IMPORTS = ("torch._dynamo", "torch.profiler._cupti_monitor", "torch.utils.serialization")
+
+# torch.manual_seed (and set_rng_state) queue each lazy device's seed with
+# traceback.format_stack(), which reads every file on the stack through linecache, and checks each
+# cached one with a stat: torch's own seeding modules, the fork server's and the trainer's, in every
+# child again (9 files read, then 27 stats, for the reference trainer; runpy is frozen, never read).
+SEEDING_MODULES = ("torch.random", "torch._compile", "torch._dynamo.eval_frame", "conformance.run.child",
+                   "conformance.run.forked", "__main__",   # in the server, __main__ is conformance.run.forkserver
+                   *(f"torch.{device}{sub}" for device in ("cuda", "xpu", "mtia", "mps") for sub in ("", ".random")))
+
+
+def warm_up(preload: list[str]) -> None:
+    """Import torch, its lazy modules and `preload`, then do the per-child work below once."""
+    import torch  # noqa: F401  (import only: no tensor op, no CUDA call before forking)
+    for lazy in LAZY_IMPORTS:
+        try:
+            importlib.import_module(lazy)
+        except ModuleNotFoundError:
+            pass
+        except Exception as exc:
+            print(f"forkserver: cannot preload {lazy}: {exc!r}", file=sys.stderr)
+    # Bytecode may be cached for the trainer's module here, so children running it as __main__
+    # skip compiling it; children never write bytecode (it would shift their write counts).
+    sys.dont_write_bytecode = False
+    for module in preload:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a module that cannot be preloaded is simply imported per child
+            print(f"forkserver: cannot preload {module}: {exc!r}", file=sys.stderr)
+    sys.dont_write_bytecode = True
+    read_seeding_sources(preload)
+    detect_cpu()
+    for module in preload:
+        keep_main_code(module)
+
+
+def read_seeding_sources(preload: list[str]) -> None:
+    """Fill linecache with the source of the modules on a seeding call's stack (those loaded), as
+    entries linecache does not stat again (as it treats sources a loader gave it): the lines are
+    those of the code the server loaded, which is the code its children run."""
+    for name in (*SEEDING_MODULES, *preload):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path and path.endswith(".py") and linecache.getlines(path):
+            size, _, lines, fullname = linecache.cache[path]
+            linecache.cache[path] = (size, None, lines, fullname)
+
+
+def detect_cpu() -> None:
+    """torch's CPU detection (cpuinfo: /sys/devices/system/cpu and /proc/cpuinfo, 20 syscalls) runs
+    on a process's first tensor op; asking for the CPU capability runs it here, once."""
+    try:
+        import torch.backends.cpu
+        torch.backends.cpu.get_cpu_capability()
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+
+
+def keep_main_code(module: str) -> None:
+    """runpy runs a `python -m` trainer as __main__ by asking the module's loader for its code
+    again: a stat of the source and a read of its .pyc in every child (13 syscalls). The loaded
+    module's loader answers that with the code it read here."""
+    spec = getattr(sys.modules.get(module), "__spec__", None)
+    loader = getattr(spec, "loader", None)
+    real = getattr(loader, "get_code", None)
+    if real is None:
+        return
+    try:
+        code = real(module)
+    except Exception:   # no code to keep (a namespace package, a loader without source): runpy asks as usual
+        return
+    if code is None:
+        return
+
+    def get_code(fullname: str):
+        return code if fullname == module else real(fullname)
+
+    loader.get_code = get_code
+
+
+def huge_page_tunables(tunables: str | None) -> str:
+    """The server's GLIBC_TUNABLES: the caller's, with malloc backing its heap by transparent huge
+    pages (unless the caller chose otherwise). Every fork copies the page tables of the server's
+    ~220 MB of anonymous memory (torch's imports) and every child's exit tears them down: 6.4 and
+    9.1 ms here with 4 KiB pages, 2.4 and 4.7 ms with half of it in 2 MiB pages. Only the server's
+    process reads it; the children's environment is the trainer's, given with each request."""
+    items = [t for t in (tunables or "").split(":") if t]
+    if not any(t.startswith("glibc.malloc.hugetlb=") for t in items):
+        items.append("glibc.malloc.hugetlb=1")
+    return ":".join(items)

@@ -1,0 +1,93 @@
+"""The warm runner's fork server: what it does once for its children (run/warmup.py), the child it
+forks ahead of each request, and the allocator setting it starts with."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conformance.run.forkserver import ForkServer
+from conformance.run.warmup import huge_page_tunables
+from conformance.trace.strace import strace_problem
+
+PROBE = '''\
+import os, sys
+import torch
+
+
+def main():
+    torch.manual_seed(1)
+    torch.zeros(2) + 1
+    os.access(os.environ["PROBE_MARK"], os.F_OK)   # where the trace stops counting
+    with open(os.environ["PROBE_OUT"], "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.fixture
+def server(tmp_path):
+    (tmp_path / "warm_probe.py").write_text(PROBE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    srv = ForkServer(["warm_probe"], env=env)
+    yield srv
+    srv.close()
+
+
+def _run(srv: ForkServer, tmp_path: Path, attach=None) -> tuple[int, str]:
+    out = tmp_path / "out"
+    env = dict(os.environ, PROBE_OUT=str(out), PROBE_MARK=str(tmp_path / "MARK"))
+    rc, _ = srv.run("warm_probe", [], env, tmp_path / "stderr", attach=attach)
+    return rc, out.read_text() if out.exists() else (tmp_path / "stderr").read_text()
+
+
+def _server_children(srv: ForkServer) -> set[int]:
+    tasks = Path(f"/proc/{srv.proc.pid}/task")
+    return {int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()}
+
+
+def test_huge_page_tunables_keep_the_callers_settings_and_choice():
+    assert huge_page_tunables(None) == "glibc.malloc.hugetlb=1"
+    assert huge_page_tunables("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert huge_page_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"
+
+
+def test_each_request_gets_a_child_forked_ahead_and_a_dead_spare_is_replaced(server, tmp_path):
+    rc, out = _run(server, tmp_path)
+    assert rc == 0, out
+    pid, ppid = map(int, out.split())
+    assert ppid == server.proc.pid
+    deadline = time.monotonic() + 30
+    while not (spares := _server_children(server)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(spares) == 1 and pid not in spares, spares   # the next child waits, forked already
+    os.kill(spares.pop(), signal.SIGKILL)                  # killed from outside before its request
+    time.sleep(0.2)
+    rc, out = _run(server, tmp_path)
+    assert rc == 0, out
+    assert int(out.split()[1]) == server.proc.pid
+
+
+@pytest.mark.skipif(strace_problem() is not None, reason=f"needs strace: {strace_problem()}")
+def test_a_child_starts_without_the_syscalls_its_server_made_for_it(server, tmp_path):
+    """Between its release and the trainer's own work, a child reads no Python source or bytecode
+    and does not detect the CPU again: each of those syscalls costs every traced trial process."""
+    from conformance.run.attach import attach_strace
+    trace = tmp_path / "trace"
+    rc, out = _run(server, tmp_path, attach=lambda pid: attach_strace(["strace", "-f", "-o", str(trace)], pid))
+    assert rc == 0, out
+    lines = trace.read_text().splitlines()
+    mark = next(i for i, line in enumerate(lines) if "MARK" in line)
+    before = "\n".join(lines[:mark])
+    assert not re.findall(r'"[^"]*\.py[c]?"', before), before
+    assert "cpuinfo" not in before and "/sys/devices/system/cpu" not in before, before
+    assert len(lines[:mark]) < 40, before
+    assert sys.modules.get("warm_probe") is None   # the probe ran in the child only
