@@ -69,6 +69,30 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "needs_extra(*extras): skip, naming the extra, unless its packages are installed")
 
 
+_ROOT: list[subprocess.Popen] = []
+
+
+def pytest_sessionstart(session):
+    """Each test process (each xdist worker, not the controller) starts a root of fork servers
+    (conformance/run/forkroot.py) and names it in its environment, so the suite processes the
+    tests start fork their trainers' servers from it instead of each importing torch again in a
+    fresh interpreter. Not for `--pyargs conformance` from the checkout, which runs as a team
+    runs it; CONFORMANCE_TESTS_FRESH=1 turns it off. Measured: see the commit that added it."""
+    from conformance.run.forkserver import ROOT_ENV
+    from conformance.run.warmup import huge_page_tunables
+    config = session.config
+    if (config.option.pyargs or os.environ.get("CONFORMANCE_TESTS_FRESH") == "1" or ROOT_ENV in os.environ
+            or (getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ)):
+        return
+    address = f"@conformance-fork-root-{os.getpid()}"
+    # As ForkServer sets them for a server: a root whose environment differs is not used (forkroot.py).
+    env = dict(os.environ, GLIBC_TUNABLES=huge_page_tunables(os.environ.get("GLIBC_TUNABLES")),
+               PYTHONDONTWRITEBYTECODE="1")
+    _ROOT.append(subprocess.Popen([sys.executable, "-m", "conformance.run.forkroot", address], cwd=REPO, env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL))
+    os.environ[ROOT_ENV] = address
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` runs one worker more than there are CPUs: the tests wait on their subprocesses
     (collective timeouts, barriers, kills), and a third worker on 2 cores fills those waits.

@@ -1,22 +1,25 @@
 """The warm runner's fork server: what it does once for its children (run/warmup.py), the child it
-forks ahead of each request, and the allocator setting it starts with."""
+forks ahead of each request, the allocator setting it starts with, and a root that forks fork
+servers (run/forkroot.py)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conformance.run.forkserver import ForkServer
+from conformance.run.forkserver import ROOT_ENV, ForkServer
 from conformance.run.warmup import huge_page_tunables
 from conformance.trace.strace import strace_problem
 
 PROBE = '''\
-import os, sys
+import json, os, sys
 import torch
 
 
@@ -26,6 +29,9 @@ def main():
     os.access(os.environ["PROBE_MARK"], os.F_OK)   # where the trace stops counting
     with open(os.environ["PROBE_OUT"], "w") as f:
         f.write(f"{os.getpid()} {os.getppid()}")
+    if os.environ.get("PROBE_PATH"):
+        with open(os.environ["PROBE_PATH"], "w") as f:
+            json.dump([sys.path, os.getcwd()], f)
 
 
 if __name__ == "__main__":
@@ -91,3 +97,79 @@ def test_a_child_starts_without_the_syscalls_its_server_made_for_it(server, tmp_
     assert "cpuinfo" not in before and "/sys/devices/system/cpu" not in before, before
     assert len(lines[:mark]) < 40, before
     assert sys.modules.get("warm_probe") is None   # the probe ran in the child only
+
+
+@pytest.fixture
+def root(tmp_path):
+    address = f"@conformance-test-root-{os.getpid()}-{tmp_path.name}"
+    env = dict(os.environ, GLIBC_TUNABLES=huge_page_tunables(os.environ.get("GLIBC_TUNABLES")),
+               PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "conformance.run.forkroot", address], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    yield address, proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def _probe_path(tmp_path: Path, env: dict[str, str]) -> list:
+    """sys.path and directory of `python -m warm_probe` started fresh in tmp_path with `env`."""
+    out = tmp_path / "fresh-path.json"
+    subprocess.run([sys.executable, "-c", "import json, sys, os; json.dump([sys.path, os.getcwd()], "
+                    f"open({str(out)!r}, 'w'))"], cwd=tmp_path, env=env, check=True)
+    path, cwd = json.loads(out.read_text())
+    return [[cwd, *path[1:]], cwd]   # -m puts the directory first, -c an empty string
+
+
+def test_a_root_forks_a_server_that_looks_started_fresh_and_its_children_run(root, tmp_path, monkeypatch):
+    address, proc = root
+    (tmp_path / "warm_probe.py").write_text(PROBE)
+    (tmp_path / "lib").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ROOT_ENV, address)
+    env = {k: v for k, v in os.environ.items() if k != ROOT_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(["lib", str(tmp_path)])
+    srv = ForkServer(["warm_probe"], env=env)
+    try:
+        assert not isinstance(srv.proc, subprocess.Popen)
+        assert int(Path(f"/proc/{srv.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid
+        out = tmp_path / "out"
+        child_env = dict(env, PROBE_OUT=str(out), PROBE_MARK=str(tmp_path / "MARK"),
+                         PROBE_PATH=str(tmp_path / "path.json"))
+        rc, _ = srv.run("warm_probe", [], child_env, tmp_path / "stderr")
+        assert rc == 0, (tmp_path / "stderr").read_text()
+        assert int(out.read_text().split()[1]) == srv.proc.pid
+        assert json.loads((tmp_path / "path.json").read_text()) == _probe_path(tmp_path, env)
+    finally:
+        srv.close()
+    assert srv.proc.poll() == 0   # its exit is seen, though it is the root's child
+
+
+def test_a_root_that_cannot_stand_in_for_a_fresh_interpreter_is_not_used(root, tmp_path, monkeypatch):
+    address, _ = root
+    monkeypatch.setenv(ROOT_ENV, address)
+    other = tmp_path / "python3"
+    other.symlink_to(sys.executable)   # the same binary by another path: another environment (a venv)
+    srv = ForkServer([], interpreter=str(other))
+    try:
+        assert isinstance(srv.proc, subprocess.Popen)
+    finally:
+        srv.close()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # read by the OpenMP runtime as torch loads
+    srv = ForkServer([])
+    try:
+        assert isinstance(srv.proc, subprocess.Popen)
+    finally:
+        srv.close()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    srv = ForkServer([])
+    try:
+        assert not isinstance(srv.proc, subprocess.Popen)   # the root is still there, and used
+    finally:
+        srv.close()
+    monkeypatch.setenv(ROOT_ENV, "@conformance-no-root-here")
+    srv = ForkServer([])
+    try:
+        assert isinstance(srv.proc, subprocess.Popen)
+    finally:
+        srv.close()

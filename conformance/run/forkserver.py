@@ -27,8 +27,10 @@ import itertools
 import json
 import os
 import queue
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +41,14 @@ from .forked import SpareChild
 from .warmup import huge_page_tunables, warm_up
 from .zygote import drain, exited_children
 
+# Where a root that forks fork servers listens (forkroot.py), for a harness that starts many suite
+# processes: a Unix socket's path, or with a leading "@" a name in the abstract namespace.
+ROOT_ENV = "CONFORMANCE_FORK_ROOT"
+
+
+def socket_address(name: str) -> str:
+    """A ROOT_ENV value as a socket address ("@name": the abstract namespace)."""
+    return "\0" + name[1:] if name.startswith("@") else name
 # What a server that forks jobs imports besides torch: torchrun's launcher and the collectives.
 JOB_PRELOAD = ["torch.distributed.run", "torch.distributed.launcher.api",
                "torch.distributed.elastic.multiprocessing", "torch.distributed.checkpoint", "conformance.run.rank"]
@@ -183,8 +193,10 @@ class ForkServer:
         env = dict(env if env is not None else os.environ)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env["GLIBC_TUNABLES"] = huge_page_tunables(env.get("GLIBC_TUNABLES"))
-        self.proc = subprocess.Popen([interpreter or sys.executable, "-m", "conformance.run.forkserver", *preload],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        root = os.environ.get(ROOT_ENV)
+        self.proc = (root and _from_root(root, preload, env, interpreter or sys.executable)) or subprocess.Popen(
+            [interpreter or sys.executable, "-m", "conformance.run.forkserver", *preload],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._send_lock = threading.Lock()
         self._replies: dict[int, queue.Queue[dict]] = {}
         self._ids = itertools.count()
@@ -268,6 +280,65 @@ class ForkServer:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class _RootForked:
+    """A fork server forked by a root (forkroot.py): what ForkServer uses of a Popen. It is not this
+    process's child; its exit is seen through a pidfd."""
+
+    def __init__(self, pid: int, stdin, stdout):
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:   # already gone (its stdout says so at once)
+            self._pidfd = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._pidfd is not None:
+            if not select.select([self._pidfd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout)
+            os.close(self._pidfd)
+            self._pidfd = None
+        return 0
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self._pidfd is not None:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+
+def _from_root(address: str, preload: list[str], env: dict[str, str], interpreter: str) -> _RootForked | None:
+    """A fork server forked by the root at `address` for this process (see forkroot.py), or None
+    (no root there, or it cannot stand in for a fresh `interpreter`)."""
+    modules = {name: mod.__file__ for name in ("conformance", "torch", "numpy")
+               if (mod := sys.modules.get(name)) is not None and getattr(mod, "__file__", None)}
+    cwd = os.getcwd()
+    extra = [os.path.normpath(os.path.join(cwd, p)) for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if "PYTHONPATH" in env]
+    req = {"preload": preload, "env": env, "cwd": cwd, "extra_path": extra, "executable": interpreter,
+           "modules": modules}
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(socket_address(address))
+            socket.send_fds(sock, [json.dumps(req).encode() + b"\n"], [in_r, out_w, sys.stderr.fileno()])
+            reply = json.loads(sock.makefile("rb").readline() or b"{}")
+    except (OSError, ValueError):
+        reply = {}
+    finally:
+        os.close(in_r)
+        os.close(out_w)
+    if "pid" not in reply:
+        os.close(in_w)
+        os.close(out_r)
+        return None
+    return _RootForked(reply["pid"], os.fdopen(in_w, "w"), os.fdopen(out_r, "r"))
 
 
 def _kill(pid: int, group: bool = False) -> None:

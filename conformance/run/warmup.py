@@ -22,7 +22,8 @@ LAZY_IMPORTS = ("torch._dynamo", "torch.profiler._cupti_monitor", "torch.utils.s
 # cached one with a stat: torch's own seeding modules, the fork server's and the trainer's, in every
 # child again (9 files read, then 27 stats, for the reference trainer; runpy is frozen, never read).
 SEEDING_MODULES = ("torch.random", "torch._compile", "torch._dynamo.eval_frame", "conformance.run.child",
-                   "conformance.run.forked", "__main__",   # in the server, __main__ is conformance.run.forkserver
+                   "conformance.run.forked", "conformance.run.forkserver",
+                   "__main__",   # conformance.run.forkserver run as a script, or a root of fork servers (forkroot)
                    *(f"torch.{device}{sub}" for device in ("cuda", "xpu", "mtia", "mps") for sub in ("", ".random")))
 
 

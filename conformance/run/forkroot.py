@@ -1,0 +1,162 @@
+"""A root that forks fork servers: one process imports torch and what every fork server imports,
+then forks each fork server a suite process asks for, in place of a fresh interpreter that imports
+it all again (about 2.7 s of CPU per server here).
+
+For a harness that starts many suite processes on one machine, as this project's tests do (one
+root per test worker, about 140 servers in a full run). A suite process's ForkServer uses it when
+CONFORMANCE_FORK_ROOT names its socket and the root runs the same interpreter with the same
+`conformance`, torch and numpy, as the same user, in the same environment but for the suite's own
+variables and PYTHONPATH; otherwise, or if the root cannot be reached, its fork servers start as
+fresh interpreters.
+
+Protocol, one connection per server: the client sends one JSON line (preload, env, cwd,
+extra_path: PYTHONPATH's entries, executable, modules) with the server's stdin, stdout and
+stderr as SCM_RIGHTS; the root answers {"pid": PID} or {"refused": why}. The forked server is
+made to look like `python -m conformance.run.forkserver PRELOAD...` started by the client: its
+environment, directory, sys.path, argv and standard streams. It is the root's child (reaped by
+the root); the client waits on it through a pidfd. The root exits when its stdin closes.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+
+from .forkserver import JOB_PRELOAD, serve, socket_address
+from .warmup import warm_up
+
+MAX_REQUEST = 1 << 22
+# sys.path of `python -m` without PYTHONPATH, less its first entry (the directory it started in).
+_OWN_EXTRA = {os.path.abspath(p or ".") for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)} \
+    if "PYTHONPATH" in os.environ else set()
+BASE_PATH = [p for p in sys.path[1:] if p not in _OWN_EXTRA]
+START_ENV = dict(os.environ)
+# Variables that may differ between the root and a client: the suite's and pytest's own, the
+# path (given to each server), and TORCHINDUCTOR_CACHE_DIR, which torch sets in its process's
+# environment when inductor first asks for its cache, and reads only then.
+OWN_VARIABLES = ("CONFORMANCE_", "PYTEST_", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def _refusal(req: dict) -> str | None:
+    """Why the root cannot stand in for a fresh interpreter of this client, or None."""
+    exe = os.path.abspath(req.get("executable") or "")
+    # Another name for this binary in its directory (python, python3) is this interpreter; a link
+    # to it from elsewhere (a venv) has other site packages.
+    ours = sys.executable
+    if os.path.dirname(exe) != os.path.dirname(ours) or os.path.realpath(exe) != os.path.realpath(ours):
+        return f"the root runs {sys.executable}, not {exe}"
+    # torch, numpy and their libraries read the environment as they load (OMP_NUM_THREADS,
+    # PYTHONHASHSEED, LD_PRELOAD, ...): any variable the suite's own do not explain must be as here.
+    env = req.get("env", {})
+    differs = sorted(k for k in {*env, *START_ENV}
+                     if env.get(k) != START_ENV.get(k) and not k.startswith(OWN_VARIABLES))
+    if differs:
+        return f"its environment differs from the root's in {', '.join(differs[:5])}"
+    for name, path in req.get("modules", {}).items():   # conformance, torch, numpy as the client imported them
+        ours = getattr(sys.modules.get(name), "__file__", None)
+        if ours != path:
+            return f"the root imported {name} from {ours}, the client from {path}"
+    return None
+
+
+def _stranger(conn: socket.socket) -> str | None:
+    """A client of another user is refused: the root would run its modules as this user."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return None if uid == os.getuid() else f"the client runs as uid {uid}, the root as {os.getuid()}"
+
+
+def _become_server(req: dict, fds: list[int], closing: list[int]) -> None:
+    """In the forked child: look like a fork server started fresh by the client, then serve."""
+    for fd in closing:
+        os.close(fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    sys.path[:] = [req["cwd"], *req["extra_path"], *BASE_PATH]
+    sys.path_importer_cache.clear()
+    importlib.invalidate_caches()
+    sys.argv[:] = [sys.modules["conformance.run.forkserver"].__file__, *req["preload"]]
+    code = 0
+    try:
+        serve(req["preload"])
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)   # as forkserver's __main__: no teardown of torch
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, 8)
+        if not chunk:
+            break
+        data += chunk
+        fds += more
+        if len(data) > MAX_REQUEST:
+            break
+    return json.loads(data), fds
+
+
+def serve_root(address: str) -> None:
+    """Accept requests on the Unix socket `address` ("@name": abstract) until stdin closes."""
+    warm_up(ROOT_PRELOAD)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_address(address))
+    listener.listen(64)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # the servers are reaped as they exit
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    sel.register(sys.stdin.fileno(), selectors.EVENT_READ)
+    print("ready", flush=True)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is not listener:
+                if not os.read(sys.stdin.fileno(), 1 << 12):
+                    return
+                continue
+            conn, _ = listener.accept()
+            with conn:
+                fds: list[int] = []
+                try:
+                    req, fds = _read_request(conn)
+                    why = _stranger(conn) or _refusal(req) or (
+                        None if len(fds) == 3 else f"{len(fds)} fds sent, not 3")
+                    if why is not None:
+                        conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
+                        continue
+                    pid = os.fork()
+                    if pid == 0:
+                        _become_server(req, fds, [listener.fileno(), conn.fileno(), sel.fileno(), sys.stdin.fileno()])
+                    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                except (OSError, ValueError) as exc:
+                    print(f"forkroot: a request failed: {exc!r}", file=sys.stderr)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+
+
+# What the root imports for every server it forks: torch (with warmup's lazy modules), numpy, and
+# the job servers' launcher and collectives. A server for a single process gets the job modules
+# too, imported and idle (no thread, no socket), as its children do.
+ROOT_PRELOAD = ["numpy", *JOB_PRELOAD]
+
+
+if __name__ == "__main__":
+    serve_root(sys.argv[1])
+    sys.stderr.flush()
+    os._exit(0)
