@@ -76,8 +76,9 @@ def pytest_sessionstart(session):
     """Each test process (each xdist worker, not the controller) starts a root of fork servers
     (conformance/run/forkroot.py) and names it in its environment, so the suite processes the
     tests start fork their trainers' servers from it instead of each importing torch again in a
-    fresh interpreter. Not for `--pyargs conformance` from the checkout, which runs as a team
-    runs it; CONFORMANCE_TESTS_FRESH=1 turns it off. Measured: see the commit that added it."""
+    fresh interpreter (about 140 servers in a full run, 2.7 s of CPU each). Not for `--pyargs
+    conformance` from the checkout, which runs as a team runs it; CONFORMANCE_TESTS_FRESH=1 turns
+    it off. Measured on 2 cores, one full run each: 902 -> 847 s, 92 of 134 servers from the root."""
     from conformance.run.forkserver import ROOT_ENV
     from conformance.run.warmup import huge_page_tunables
     config = session.config

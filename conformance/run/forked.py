@@ -12,7 +12,7 @@ from .child import run_target
 
 
 def run_released(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int,
-           then_env: dict[str, str] | None = None, kind: str = "module", job: list[str] | None = None) -> None:
+                 then_env: dict[str, str] | None = None, kind: str = "module", job: list[str] | None = None) -> None:
     """Wait on `go_fd` until released (strace may attach meanwhile), then run the trainer as a
     fresh interpreter would (stdin and stdout on /dev/null, stderr to its file), and exit."""
     if job is not None:
@@ -44,7 +44,6 @@ def run_released(module: str, argv: list[str], env: dict[str, str], stderr_path:
         os._exit(code)
 
 
-
 @dataclasses.dataclass
 class SpareChild:
     """A child forked before its request: it reads the request from its go pipe (length, then
@@ -71,7 +70,7 @@ class SpareChild:
                 os._exit(0)
             os.close(ack_w)
             run_released(req["module"], req["argv"], req["env"], req["stderr"], r, req.get("then"),
-                   req.get("kind", "module"), req.get("job"))
+                         req.get("kind", "module"), req.get("job"))
         os.close(r)
         os.close(ack_w)
         return cls(pid, w, ack_r)

@@ -318,8 +318,9 @@ def _from_root(address: str, preload: list[str], env: dict[str, str], interprete
     modules = {name: mod.__file__ for name in ("conformance", "torch", "numpy")
                if (mod := sys.modules.get(name)) is not None and getattr(mod, "__file__", None)}
     cwd = os.getcwd()
-    extra = [os.path.normpath(os.path.join(cwd, p)) for p in env.get("PYTHONPATH", "").split(os.pathsep)
-             if "PYTHONPATH" in env]
+    # As a fresh interpreter reads PYTHONPATH: each entry made absolute, an empty one the directory.
+    extra = [os.path.normpath(os.path.join(cwd, p)) for p in env["PYTHONPATH"].split(os.pathsep)] \
+        if "PYTHONPATH" in env else []
     req = {"preload": preload, "env": env, "cwd": cwd, "extra_path": extra, "executable": interpreter,
            "modules": modules}
     in_r, in_w = os.pipe()
