@@ -162,6 +162,8 @@ def test_a_root_that_cannot_stand_in_for_a_fresh_interpreter_is_not_used(root, t
     finally:
         srv.close()
     monkeypatch.delenv("OMP_NUM_THREADS")
+    # Read by torch.cuda at each call, not as torch loads; importing lightning sets it.
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     srv = ForkServer([])
     try:
         assert not isinstance(srv.proc, subprocess.Popen)   # the root is still there, and used

@@ -37,9 +37,11 @@ _OWN_EXTRA = {os.path.abspath(p or ".") for p in os.environ.get("PYTHONPATH", ""
 BASE_PATH = [p for p in sys.path[1:] if p not in _OWN_EXTRA]
 START_ENV = dict(os.environ)
 # Variables that may differ between the root and a client: the suite's and pytest's own, the
-# path (given to each server), and TORCHINDUCTOR_CACHE_DIR, which torch sets in its process's
-# environment when inductor first asks for its cache, and reads only then.
-OWN_VARIABLES = ("CONFORMANCE_", "PYTEST_", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")
+# path (given to each server), and two that torch reads only when asked, never as it loads:
+# TORCHINDUCTOR_CACHE_DIR (torch sets it in its process's environment when inductor first asks for
+# its cache) and PYTORCH_NVML_BASED_CUDA_CHECK (read by each torch.cuda.is_available() and
+# device_count(); importing lightning sets it in its process's environment).
+OWN_VARIABLES = ("CONFORMANCE_", "PYTEST_", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
 def _refusal(req: dict) -> str | None:
