@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,21 +48,21 @@ def test_a_jobs_shape_spreads_ranks_evenly_over_its_nodes():
 
 def test_each_node_is_torchruns_node_of_the_same_number_through_c10d_rendezvous():
     spec = RunSpec(14, 3, 0, 4, nnodes=2)
-    first, second = launch.torchrun_flags(spec, 29500, 0), launch.torchrun_flags(spec, 29500, 1)
+    first, second = (launch.torchrun_flags(spec, 29500, k, logs=Path("/run/err.torchrun")) for k in (0, 1))
     for flags in (first, second):
         assert {"--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29500",
                 "--rdzv-id=conformance-29500", "--max-restarts=0"} <= set(flags)
     # The rendezvous numbers nodes in the order of their addresses (as strings): node k is group rank k.
     addrs = [launch.node_address(k) for k in range(12)]
     assert sorted(addrs) == addrs and f"--local-addr={addrs[1]}" in second
-    assert "--rdzv-backend=static" in launch.torchrun_flags(RunSpec(14, 3, 0, 2), 29500)
+    assert "--rdzv-backend=static" in launch.torchrun_flags(RunSpec(14, 3, 0, 2), 29500, logs=Path("/l"))
 
 
 def test_a_job_torchrun_restarts_in_place_gets_a_store_per_attempt():
     """torchrun hands a restarted attempt the store of the one before (pytorch#135712): elastic
     jobs run with c10d's rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
     elastic = RunSpec(14, 3, 0, 2, max_restarts=1)
-    flags = launch.torchrun_flags(elastic, 29501)
+    flags = launch.torchrun_flags(elastic, 29501, logs=launch.Path("/l"))
     assert "--max-restarts=1" in flags and "--rdzv-backend=c10d" in flags
     env = launch.rank_env({}, elastic, stderr_template=launch.Path("/x.{rank}"), straces={})
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"

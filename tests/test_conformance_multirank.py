@@ -43,6 +43,27 @@ def test_a_job_reads_one_log_per_rank_and_the_global_loss_is_their_mean(tmp_path
     assert not RunSpec(4, 2, 0).is_job and RunSpec(4, 2, 0, 2).describe().endswith("world_size=2")
 
 
+@pytest.mark.parametrize("runner_class", ["SubprocessRunner", "WarmRunner"])
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_torchruns_logs_stay_in_the_runs_directory(tmp_path, runner_class, nnodes):
+    """torchrun's agent makes a log directory per job; without --log-dir it is a new
+    /tmp/torchelastic_* that nothing removes. The suite's are beside the job's stderr file."""
+    from conformance.model.adapters import resolve
+    from conformance.run import runners
+    adapter = resolve("fixtures.ddp_trainer:ADAPTER", None, world_size=2 * nnodes, nnodes=nnodes)
+    runner = getattr(runners, runner_class)()
+    (tmp_path / "ckpt").mkdir()
+    log = tmp_path / "loss.jsonl"
+    try:
+        result = runner.run_process(adapter, RunSpec(2, 1, 0, 2 * nnodes, nnodes=nnodes), tmp_path / "ckpt", log)
+    finally:
+        getattr(runner, "close", lambda: None)()
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = launch.log_dir(log.with_name(log.name + ".stderr"))
+    agents = sorted(p.name for p in logs.iterdir())
+    assert len(agents) == nnodes and all((logs / a / "attempt_0").is_dir() for a in agents), agents
+
+
 def _env(**extra) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -62,7 +83,7 @@ def test_torchrun_is_this_interpreters_module_so_no_torchrun_on_path_is_needed(t
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "usage error" not in out and "Traceback" not in out, out[-3000:]
-    assert launch.fresh_argv(("python", "-m", "t"), RunSpec(14, 3, 0, 2), 1234)[:3] == [sys.executable, "-m",
+    assert launch.fresh_argv(("python", "-m", "t"), RunSpec(14, 3, 0, 2), 1234, logs=tmp_path)[:3] == [sys.executable, "-m",
                                                                                   "torch.distributed.run"]
 
 

@@ -102,7 +102,7 @@ def test_reference_distributed_skips_a_damaged_checkpoint_on_every_rank(tmp_path
                    CONFORMANCE_SAVE_EVERY="3", CONFORMANCE_SEED="0", CONFORMANCE_LOSS_LOG=str(tmp_path / "loss"),
                    OMP_NUM_THREADS="1")
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                               "-m", "fixtures.ddp_trainer"],
+                               f"--log-dir={tmp_path / 'torchrun'}", "-m", "fixtures.ddp_trainer"],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     first = job(10)
     assert first.returncode == 0, first.stderr[-3000:]

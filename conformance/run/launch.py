@@ -3,6 +3,7 @@
 A trainer with world size W > 1 runs as
 
     torchrun --nnodes=1 --nproc-per-node=W --max-restarts=0 --monitor-interval=0.005 \
+             --log-dir=<in the run's directory> \
              --rdzv-backend=static --master-addr=127.0.0.1 --master-port=<a free port> <trainer>
 
 one node, one local rendezvous (what `--standalone` gives), on a port chosen per job so that
@@ -103,12 +104,21 @@ def node_address(node: int) -> str:
     return f"127.0.{10 + node}.1"
 
 
-def torchrun_flags(spec: RunSpec, port: int, node: int = 0) -> list[str]:
-    """torchrun's flags for the job of `spec` (for node `node` of a job of several nodes). Its
-    `max_restarts` (0 but under elastic_restart) is how often torchrun restarts the workers in
-    place after one fails."""
+def log_dir(stderr_path: Path) -> Path:
+    """Where the agents of the job whose stderr goes to `stderr_path` keep their log directories
+    (one per agent, with one per attempt in it): beside that file, in the run's own directory.
+    Without `--log-dir` every agent makes a /tmp/torchelastic_* directory that nothing removes
+    (about a thousand per run of the project's tests)."""
+    return stderr_path.with_name(stderr_path.name + ".torchrun")
+
+
+def torchrun_flags(spec: RunSpec, port: int, node: int = 0, *, logs: Path) -> list[str]:
+    """torchrun's flags for the job of `spec` (for node `node` of a job of several nodes), its
+    agents' logs under `logs` (log_dir). Its `max_restarts` (0 but under elastic_restart) is how
+    often torchrun restarts the workers in place after one fails."""
     shape = [f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.ranks_per_node}",
-             f"--max-restarts={spec.max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S:g}"]
+             f"--max-restarts={spec.max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S:g}",
+             f"--log-dir={logs}"]
     if spec.nnodes == 1 and not spec.max_restarts:
         return [*shape, "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
     # Several nodes meet through c10d; so does a job restarted in place (a store per attempt, see rank_env).
@@ -118,9 +128,10 @@ def torchrun_flags(spec: RunSpec, port: int, node: int = 0) -> list[str]:
     return [*c10d, f"--local-addr={node_address(node)}", f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S}"]
 
 
-def fresh_argv(trainer_argv: list[str] | tuple[str, ...], spec: RunSpec, port: int, node: int = 0) -> list[str]:
+def fresh_argv(trainer_argv: list[str] | tuple[str, ...], spec: RunSpec, port: int, node: int = 0, *,
+               logs: Path) -> list[str]:
     """The torchrun command line of a job (or of one node's agent) in fresh interpreters."""
-    return [*torchrun_program(), *torchrun_flags(spec, port, node), "--no-python", sys.executable, "-m",
+    return [*torchrun_program(), *torchrun_flags(spec, port, node, logs=logs), "--no-python", sys.executable, "-m",
             "conformance.run.rank", *trainer_argv]
 
 

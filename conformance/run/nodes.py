@@ -189,7 +189,7 @@ def fresh_agent(trainer_argv: tuple[str, ...], spec: RunSpec, env_for: Callable[
     """Node k's agent as a fresh `python -m torch.distributed.run` (its ranks: fresh interpreters),
     with `env_for(k)` as its environment."""
     def run(k: int, should_stop: ShouldStop, started: Callable[[int], None]) -> int:
-        argv = launch.fresh_argv(trainer_argv, spec, port, k)
+        argv = launch.fresh_argv(trainer_argv, spec, port, k, logs=launch.log_dir(stderr_path))
         with open(node_stderr(stderr_path, k), "wb") as err:
             proc = subprocess.Popen(argv, env=env_for(k), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                     start_new_session=True)
@@ -211,6 +211,6 @@ def warm_agent(server, target, spec: RunSpec, env_for: Callable[[int], dict[str,
     def run(k: int, should_stop: ShouldStop, started: Callable[[int], None]) -> int:
         status, _ = server.run(target.target, list(target.argv), env_for(k), node_stderr(stderr_path, k), started,
                                watch=should_stop, poll=poll, kind=target.kind,
-                               job=launch.torchrun_flags(spec, port, k))
+                               job=launch.torchrun_flags(spec, port, k, logs=launch.log_dir(stderr_path)))
         return status
     return run

@@ -160,6 +160,7 @@ class SubprocessRunner(_Jobs):
              tracing: Tracing | None, stop: Stop | None, port: int | None) -> ProcessResult:
         env = adapter.environment(spec.env(ckpt_dir, loss_log))
         template = loss_log.with_name(loss_log.name + ".stderr.rank{rank}")
+        err_path = loss_log.with_name(loss_log.name + ".stderr")
         if port is not None and spec.nnodes > 1:
             env = launch.rank_env(env, spec, stderr_template=template,
                                   straces={r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())})
@@ -169,7 +170,7 @@ class SubprocessRunner(_Jobs):
         if port is None:
             argv = list(tracing.ranks[0][0] if tracing else ()) + list(adapter.argv)
         else:
-            argv = launch.fresh_argv(adapter.argv, spec, port)
+            argv = launch.fresh_argv(adapter.argv, spec, port, logs=launch.log_dir(err_path))
             env = launch.rank_env(env, spec, stderr_template=template,
                                   straces={r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())})
         start = time.monotonic()
@@ -181,7 +182,6 @@ class SubprocessRunner(_Jobs):
 
         watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
                          on_signal=signal_job if port is not None else None)
-        err_path = loss_log.with_name(loss_log.name + ".stderr")
         with open(err_path, "w+b") as err_file:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=err_file, start_new_session=True)
@@ -294,7 +294,7 @@ class WarmRunner(_Jobs):
         try:
             rc, overrun = self._server(adapter, target, job=True).run(
                 target.target, list(target.argv), env, stderr_path, attach, watch=problem, poll=POLL_S,
-                kind=target.kind, job=launch.torchrun_flags(spec, port))
+                kind=target.kind, job=launch.torchrun_flags(spec, port, logs=launch.log_dir(stderr_path)))
         finally:
             attacher.close()
             shutil.rmtree(announce, ignore_errors=True)
