@@ -78,7 +78,8 @@ def pytest_sessionstart(session):
     tests start fork their trainers' servers from it instead of each importing torch again in a
     fresh interpreter (about 140 servers in a full run, 2.7 s of CPU each). Not for `--pyargs
     conformance` from the checkout, which runs as a team runs it; CONFORMANCE_TESTS_FRESH=1 turns
-    it off. Measured on 2 cores, one full run each: 902 -> 847 s, 92 of 134 servers from the root."""
+    it off. Measured on 2 cores, fresh-clone `.ci/run`: 952 s before the root; 836 and 807 s with
+    it (113 of 133 servers forked from the root)."""
     from conformance.run.forkserver import ROOT_ENV
     from conformance.run.warmup import huge_page_tunables
     config = session.config
