@@ -103,11 +103,19 @@ def _resolve(config, adapter, trainer_cmd, world_size=None, nnodes=None) -> Trai
             adapter = dataclasses.replace(adapter, world_size=checked_world_size(size, "--world-size"))
         if nodes:
             adapter = dataclasses.replace(adapter, nnodes=checked_world_size(nodes, "--nnodes", "nodes"))
-        return checked_shape(adapter)
-    if adapter is not None and not isinstance(adapter, str):
+        resolved = checked_shape(adapter)
+    elif adapter is not None and not isinstance(adapter, str):
         raise AdapterError(f"the adapter class attribute is {adapter!r}",
                            "set it to a 'package.module:attribute' string or a TrainerAdapter")
-    return resolve(adapter, trainer_cmd, rootdir=config.rootpath, world_size=size, nnodes=nodes)
+    else:
+        resolved = resolve(adapter, trainer_cmd, rootdir=config.rootpath, world_size=size, nnodes=nodes)
+    # What is loaded by now (torch, through the trainer's module) lives as long as the process:
+    # kept out of every later collection, and out of the five that pytest's unraisable-exception
+    # cleanup runs at exit, each of which walked torch's objects again (0.1 s each here). A suite
+    # process's start and exit: 2.8 -> 2.0 s. Only once a trainer is loaded: a pytest run that
+    # merely has this plugin installed keeps its collector as it was.
+    gc.freeze()
+    return resolved
 
 
 def _suite_requested(config) -> bool:
@@ -180,11 +188,6 @@ def pytest_configure(config):
             if warning:
                 config.issue_config_time_warning(pytest.PytestConfigWarning(f"conformance: {warning}"), stacklevel=2)
             config._conformance_adapter = adapter
-    # What is loaded by now (torch, through the trainer's module) lives as long as the process:
-    # kept out of every later collection, and out of the five pytest's unraisable-exception
-    # cleanup runs at exit, each of which walked torch's objects again (0.1 s each here). A suite
-    # process's start and exit: 2.8 -> 2.0 s.
-    gc.freeze()
     path = option(config, "expected_failures")
     entries = []
     if path:

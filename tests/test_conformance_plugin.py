@@ -29,6 +29,26 @@ def test_subclass_with_python_adapter_and_capability_skip(tmp_path, run_pytest):
     assert "adapter lacks capability 'legacy_samples'" in proc.stdout
 
 
+def test_the_collector_is_frozen_only_when_the_suite_runs(tmp_path, run_pytest):
+    """The suite freezes what is loaded once the trainer's module is imported (plugin.py); a
+    team's own tests, with the plugin merely installed, keep Python's collector as it was."""
+    (tmp_path / "test_plain.py").write_text("import gc\n\ndef test_plain():\n    assert gc.get_freeze_count() == 0\n")
+    (tmp_path / "test_team.py").write_text(textwrap.dedent('''
+        import gc
+        from conformance import ResumeConformance
+
+        class TestTeamTrainer(ResumeConformance):
+            adapter = "fixtures.python_adapter:ADAPTER"
+
+            def test_frozen(self):
+                assert gc.get_freeze_count() > 1000
+    '''))
+    plain = run_pytest("test_plain.py")
+    assert "1 passed" in plain.stdout, plain.stdout[-3000:]
+    suite = run_pytest("test_team.py", "-k", "test_frozen")
+    assert "1 passed" in suite.stdout, suite.stdout[-3000:]
+
+
 def test_trainer_cmd_from_ini_makes_a_bare_pytest_the_gate(tmp_path, run_pytest):
     (tmp_path / "pytest.ini").write_text(textwrap.dedent(f'''
         [pytest]
