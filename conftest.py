@@ -80,17 +80,14 @@ def pytest_sessionstart(session):
     conformance` from the checkout, which runs as a team runs it; CONFORMANCE_TESTS_FRESH=1 turns
     it off. Measured on 2 cores, fresh-clone `.ci/run`: 952 s before the root; 836 and 807 s with
     it (113 of 133 servers forked from the root)."""
-    from conformance.run.forkserver import ROOT_ENV
-    from conformance.run.warmup import huge_page_tunables
+    from conformance.run.forkserver import ROOT_ENV, server_env
     config = session.config
     if (config.option.pyargs or os.environ.get("CONFORMANCE_TESTS_FRESH") == "1" or ROOT_ENV in os.environ
             or (getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ)):
         return
     address = f"@conformance-fork-root-{os.getpid()}"
-    # As ForkServer sets them for a server: a root whose environment differs is not used (forkroot.py).
-    env = dict(os.environ, GLIBC_TUNABLES=huge_page_tunables(os.environ.get("GLIBC_TUNABLES")),
-               PYTHONDONTWRITEBYTECODE="1")
-    _ROOT.append(subprocess.Popen([sys.executable, "-m", "conformance.run.forkroot", address], cwd=REPO, env=env,
+    _ROOT.append(subprocess.Popen([sys.executable, "-m", "conformance.run.forkroot", address], cwd=REPO,
+                                  env=server_env(os.environ),
                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL))
     os.environ[ROOT_ENV] = address
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.run.forkserver import ROOT_ENV, ForkServer
+from conformance.run.forkserver import ROOT_ENV, ForkServer, server_env
 from conformance.run.warmup import huge_page_tunables
 from conformance.trace.strace import strace_problem
 
@@ -102,9 +102,7 @@ def test_a_child_starts_without_the_syscalls_its_server_made_for_it(server, tmp_
 @pytest.fixture
 def root(tmp_path):
     address = f"@conformance-test-root-{os.getpid()}-{tmp_path.name}"
-    env = dict(os.environ, GLIBC_TUNABLES=huge_page_tunables(os.environ.get("GLIBC_TUNABLES")),
-               PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "conformance.run.forkroot", address], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "conformance.run.forkroot", address], env=server_env(os.environ),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     yield address, proc

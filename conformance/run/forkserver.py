@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..model.adapters import TrainerAdapter
@@ -49,6 +50,15 @@ ROOT_ENV = "CONFORMANCE_FORK_ROOT"
 def socket_address(name: str) -> str:
     """A ROOT_ENV value as a socket address ("@name": the abstract namespace)."""
     return "\0" + name[1:] if name.startswith("@") else name
+
+
+def server_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment a fork server runs in: `env`, with bytecode writing off (children never
+    write it: it would shift their write counts) and malloc on huge pages (warmup.py). A root of
+    fork servers is started in it too, or its servers' environment differs and it is not used."""
+    return dict(env, PYTHONDONTWRITEBYTECODE="1", GLIBC_TUNABLES=huge_page_tunables(env.get("GLIBC_TUNABLES")))
+
+
 # What a server that forks jobs imports besides torch: torchrun's launcher and the collectives.
 JOB_PRELOAD = ["torch.distributed.run", "torch.distributed.launcher.api",
                "torch.distributed.elastic.multiprocessing", "torch.distributed.checkpoint", "conformance.run.rank"]
@@ -190,9 +200,7 @@ class ForkServer:
     """Client of one server process; `run` may be called from several threads at once."""
 
     def __init__(self, preload: list[str], env: dict[str, str] | None = None, interpreter: str | None = None):
-        env = dict(env if env is not None else os.environ)
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-        env["GLIBC_TUNABLES"] = huge_page_tunables(env.get("GLIBC_TUNABLES"))
+        env = server_env(env if env is not None else os.environ)
         root = os.environ.get(ROOT_ENV)
         self.proc = (root and _from_root(root, preload, env, interpreter or sys.executable)) or subprocess.Popen(
             [interpreter or sys.executable, "-m", "conformance.run.forkserver", *preload],
