@@ -19,15 +19,20 @@ def _middle_save(baseline: RecordedRun) -> int:
     return saves[len(saves) // 2] if saves else 0
 
 
-def per_rank(baseline: RecordedRun, points, *, nodes: bool = False) -> st.SearchStrategy[CrashPoint]:
+def per_rank(baseline: RecordedRun, points, *, nodes: bool = False, writers: bool = False
+             ) -> st.SearchStrategy[CrashPoint]:
     """`points(run, rank)` for one process; for a job, for each rank's own run, the rank named
     in every point. The highest rank first (Hypothesis starts from and shrinks towards it): rank 0
     usually coordinates, and a rank that only follows is where a missing barrier or a rank's own
-    state left out shows. With `nodes`, in a job of several nodes, node points come first, the
-    highest node first: each node's loss at the points of its first rank."""
+    state left out shows. With `writers`, only the ranks that made an operation a point can name
+    (a replicated trainer's rank 0 alone often writes; unless none does). With `nodes`, in a job of
+    several nodes, node points come first, the highest node first: each node's loss at the points
+    of its first rank."""
     if not baseline.is_job:
         return points(baseline, None)
-    ranks = [points(baseline.rank_view(r), r) for r in sorted(baseline.ranks, reverse=True)]
+    chosen = [r for r in sorted(baseline.ranks, reverse=True)
+              if not writers or baseline.rank_view(r).crash_points()] or sorted(baseline.ranks, reverse=True)
+    ranks = [points(baseline.rank_view(r), r) for r in chosen]
     spec = baseline.spec
     if not nodes or spec.nnodes < 2:
         return st.one_of(*ranks)
@@ -99,12 +104,12 @@ def first_in_save_point(run: RecordedRun, rank: int | None = None) -> CrashPoint
 
 
 def fs_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
-    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, False), r)))
+    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, False), r)), writers=True)
 
 
 def in_save_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
     """Points at operations inside a save (after some step was logged), where torn state lives."""
-    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True), r)))
+    return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True), r)), writers=True)
 
 
 def save_end_points(baseline: RecordedRun, *, nodes: bool = False) -> st.SearchStrategy[CrashPoint]:
@@ -112,7 +117,7 @@ def save_end_points(baseline: RecordedRun, *, nodes: bool = False) -> st.SearchS
     finishes its part after (or without) the commit, and a missing barrier or a per-rank commit
     shows. With `nodes`, a whole node lost there too (per_rank)."""
     return per_rank(baseline, lambda run, r: st.sampled_from(named(run, _ordered_fs(run, True, from_end=True), r)),
-                    nodes=nodes)
+                    nodes=nodes, writers=True)
 
 
 def node_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
@@ -123,9 +128,10 @@ def node_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
 
     def lost(k: int) -> st.SearchStrategy[CrashPoint]:
         run = baseline.rank_view(k * per)
-        in_save = st.sampled_from(named(run, _ordered_fs(run, True, from_end=True), k * per))
         steps = st.sampled_from(range(1, max(2, spec.total_steps))).map(lambda s: CrashPoint("step", s, k * per))
-        return st.one_of(in_save, steps).map(lambda p: dataclasses.replace(p, node=k))
+        if run.crash_points():   # a node whose first rank writes nothing is lost at a step
+            steps = st.one_of(st.sampled_from(named(run, _ordered_fs(run, True, from_end=True), k * per)), steps)
+        return steps.map(lambda p: dataclasses.replace(p, node=k))
     return st.one_of(*[lost(k) for k in range(spec.nnodes - 1, -1, -1) if k * per in baseline.ranks])
 
 
@@ -156,7 +162,7 @@ def error_points(baseline: RecordedRun, error: str) -> st.SearchStrategy[CrashPo
         ordered = [n for n in _ordered_fs(run, True) if n in allowed]
         ordered.sort(key=lambda n: kind[n] not in first)   # stable: the middle save stays first in each group
         return st.sampled_from(named(run, ordered, rank))
-    return per_rank(baseline, points)
+    return per_rank(baseline, points, writers=True)
 
 
 def term_points(baseline: RecordedRun) -> st.SearchStrategy[CrashPoint]:
