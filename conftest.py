@@ -73,23 +73,28 @@ _ROOT: list[subprocess.Popen] = []
 
 
 def pytest_sessionstart(session):
-    """Each test process (each xdist worker, not the controller) starts a root of fork servers
-    (conformance/run/forkroot.py) and names it in its environment, so the suite processes the
-    tests start fork their trainers' servers from it instead of each importing torch again in a
-    fresh interpreter (about 140 servers in a full run, 2.7 s of CPU each). Not for `--pyargs
-    conformance` from the checkout, which runs as a team runs it; CONFORMANCE_TESTS_FRESH=1 turns
-    it off. Measured on 2 cores, fresh-clone `.ci/run`: 952 s before the root; 836 and 807 s with
-    it (113 of 133 servers forked from the root)."""
-    from conformance.run.forkserver import ROOT_ENV, server_env
+    """Each test process (each xdist worker, not the controller) starts two roots of fork servers
+    (tests/forkroot.py), one per hash secret the warm runner gives its servers (a run's saving and
+    resuming processes get different ones), and names them in its environment, so the suite
+    processes the tests start fork their trainers' servers from them instead of each importing
+    torch again in a fresh interpreter. Not for `--pyargs conformance` from the checkout, which runs
+    as a team runs it; CONFORMANCE_TESTS_FRESH=1 turns it off. The time it saves is in
+    docs/benchmarks.md."""
+    from conformance.run.forkclient import ROOT_ENV
+    from conformance.run.forkserver import server_env
+    from conformance.run.identity import IDENTITIES, random_hash_seeds
     config = session.config
     if (config.option.pyargs or os.environ.get("CONFORMANCE_TESTS_FRESH") == "1" or ROOT_ENV in os.environ
             or (getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ)):
         return
-    address = f"@conformance-fork-root-{os.getpid()}"
-    _ROOT.append(subprocess.Popen([sys.executable, "-m", "conformance.run.forkroot", address], cwd=REPO,
-                                  env=server_env(os.environ),
-                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL))
-    os.environ[ROOT_ENV] = address
+    named = []
+    for n, seed in enumerate(random_hash_seeds(IDENTITIES)):
+        address = f"@conformance-fork-root-{os.getpid()}-{n}"
+        _ROOT.append(subprocess.Popen([sys.executable, "-m", "tests.forkroot", address], cwd=REPO,
+                                      env=dict(server_env(os.environ), PYTHONHASHSEED=str(seed)),
+                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL))
+        named.append(f"{address}={seed}")
+    os.environ[ROOT_ENV] = ",".join(named)
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -222,6 +227,13 @@ def run_python_pytest(args: list[str], *, cwd: Path, env: dict[str, str], timeou
 
 
 
+# The suite runs these fixtures start report a warm failure without replaying it in a fresh
+# interpreter (about 10 s of fresh processes per failure, and the project's tests make well over a
+# hundred failures on purpose); a test that is about the confirmation passes --confirm=fresh, which
+# overrides it (tests/test_conformance_fidelity.py).
+UNCONFIRMED = ("-o", "conformance_confirm=off")
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTEST_XDIST_WORKER", None)
@@ -235,7 +247,7 @@ def run_pytest(tmp_path):
     def run(*args: str, cwd: Path | None = None, timeout: float = 900,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return run_python_pytest(["-p", "no:cacheprovider", "-q", "-rs", "-W", "ignore::DeprecationWarning",
-                                  f"--basetemp={tmp_path / 'bt'}", *args],
+                                  f"--basetemp={tmp_path / 'bt'}", *UNCONFIRMED, *args],
                                  cwd=cwd or tmp_path, env={**_env(), **(env or {})}, timeout=timeout)
     return run
 
@@ -259,7 +271,8 @@ def _run_conformance(tmp_path: Path, target: list[str], args: tuple[str, ...], s
     """pytest on `target` with the suite's report in JUnit XML: (verdicts by class and test, console output)."""
     xml = tmp_path / "junit.xml"
     proc = run_python_pytest([*target, "-p", "no:cacheprovider", "-q", f"--junitxml={xml}",
-                              f"--basetemp={tmp_path / 'suite'}", "-W", "ignore::DeprecationWarning", *args],
+                              f"--basetemp={tmp_path / 'suite'}", "-W", "ignore::DeprecationWarning", *UNCONFIRMED,
+                              *args],
                              cwd=tmp_path, env=_env(), timeout=1500, sigint_ignored=sigint_ignored)
     assert xml.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return _verdicts(xml), proc.stdout + proc.stderr

@@ -24,6 +24,7 @@ OPTIONS = {   # name -> (command-line flag, ini key)
     "expected_failures": ("--expected-failures", "conformance_expected_failures"),
     "resume_python": ("--resume-python", "conformance_resume_python"),
     "hang_timeout": ("--hang-timeout", "conformance_hang_timeout"),
+    "confirm": ("--confirm", "conformance_confirm"),
 }
 USAGE_PREFIX = "conformance usage error: "
 DEFAULT_REPORT_DIR = "conformance-report"   # relative to the working directory: reports and plots outlive the run
@@ -69,6 +70,10 @@ def add_options(parser) -> None:
     group.addoption("--resume-python", default=None, metavar="PATH",
                     help="upgrade_resume: another environment's Python interpreter (another torch, numpy or "
                          "library version); checkpoints are saved in one and resumed in the other, both ways")
+    group.addoption("--confirm", choices=("fresh", "off"), default=None,
+                    help="fresh (default): a failure found under the warm runner is replayed once in a fresh "
+                         "interpreter per process before it is reported; when that passes, the run reports a runner "
+                         "disagreement instead of failing the trainer. off: report what the warm runner found")
     group.addoption("--expected-failures-lenient", action="store_true", default=False,
                     help="a listed check that passes does not fail the run")
     for flag, ini in OPTIONS.values():

@@ -41,8 +41,10 @@ from .report.usage import (
     trainer_naming_problem,
     unknown_ini_keys,
 )
+from .run.fresh import SubprocessRunner
 from .run.launch import JobConfig
-from .run.runners import SubprocessRunner, WarmRunner
+from .run.warm import WarmRunner
+from .run.zygote import die_with_parent
 
 
 def pytest_addoption(parser):
@@ -72,6 +74,11 @@ def conformance_session_for(request, tmp_path_factory):
         if adapter is None and trainer_cmd is None:
             adapter, trainer_cmd = option(config, "adapter"), option(config, "trainer_cmd")
         key = (repr(adapter), trainer_cmd, world_size, nnodes)
+        if not cache and hasattr(config, "workerinput"):
+            # An xdist worker goes on with its test when its controller is ended (a CI system's
+            # SIGTERM on cancel): it would keep starting trainers. It ends with its controller
+            # instead, and what it started ends with it (docs/running.md, "Nothing left behind").
+            die_with_parent(os.getppid())
         if key not in cache:
             resolved = _resolve(config, adapter, trainer_cmd, world_size, nnodes)
             runner = SubprocessRunner(jobs=jobs) if option(config, "runner") == "fresh" else WarmRunner(jobs=jobs)
@@ -333,6 +340,8 @@ class ReportCollector:
         adapter = next((c.adapter for c in self.cases if c.adapter), None)
         profile = self.config.getoption("hypothesis_profile", None)
         built = reports.environment(adapter, profile, self.cases, _header(self.config))
+        for _, found in built.disagreements:   # passed for the trainer; a problem of the suite's, said out loud
+            terminalreporter.write_line(f"conformance: {found.summary()}", yellow=True, bold=True)
         json_path, md_path = reports.write_report(built, Path(directory).resolve())
         terminalreporter.write_line(f"conformance report: {json_path} and {md_path}")
 

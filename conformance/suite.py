@@ -11,6 +11,7 @@ Its test methods are made from the check registry (checks/registry.py): `test_<c
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import ClassVar
 
 import pytest
@@ -21,8 +22,10 @@ from .checks import CHECKS, Check, Session, skip_reason
 from .checks.failures import CheckNotApplicable, ConformanceFailure
 from .checks.registry import case_text
 from .faults.scenario import CrashNotLanded, CrashPointMissing
+from .model import evidence
 from .model.process import RunSpec
 from .model.settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK
+from .options import option
 
 ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd", "world_size", "nnodes")
 
@@ -78,6 +81,52 @@ def _spec(session: Session, save_every: int = CADENCES[0]) -> RunSpec:
                    cold=session.cold if session.adapter.has("cold_tier") else None)
 
 
+class CheckFailed(pytest.fail.Exception):
+    """A check's failure as pytest reports it (the report is the message), with the case that
+    failed: what a confirmation in a fresh interpreter replays."""
+
+    def __init__(self, report: str, cause: BaseException, spec: RunSpec, case: object):
+        super().__init__(report, pytrace=False)
+        self.cause, self.spec, self.case = cause, spec, case
+
+
+class RunnerDisagreementWarning(UserWarning):
+    """The warm runner failed a case that a fresh interpreter per process passed."""
+
+
+def _confirmed(request, session: Session, check: Check, param: str | None, failed: CheckFailed) -> None:
+    """Raise `failed` unless a replay of its case in a fresh interpreter per process passes; then
+    the warm runner did not stand in for a real restart, which is the suite's problem: recorded
+    (the report counts it), warned about, and never the trainer's failure. Paid only on failure."""
+    twin = session.fresh_twin()
+    if twin is None:   # the runner starts fresh interpreters already
+        raise failed
+    if option(request.config, "confirm") == "off":
+        failed.msg += "\n  not confirmed in a fresh interpreter (--confirm=off)"
+        raise failed
+    spec = getattr(failed.cause, "spec", None) or failed.spec
+    named = getattr(failed.cause, "case", None) or {}
+    case = check.case.parse(named[check.case.name]) if check.case and check.case.name in named else failed.case
+    recorded = evidence.take()   # the replay's own evidence is not this test's
+    try:
+        check.decide(twin, spec, param, case)
+    except (ConformanceFailure, CrashNotLanded):
+        failed.msg += "\n  confirmed: a fresh interpreter per process fails this case too"
+        raise failed from None
+    except (CrashPointMissing, CheckNotApplicable) as exc:
+        failed.msg += f"\n  not confirmed: a fresh interpreter's run has no such case ({exc})"
+        raise failed from None
+    finally:
+        evidence.take()
+        for item in recorded:
+            evidence.record(item)
+    text = case_text(check, case) if check.case and case is not None else ""
+    disagreement = evidence.RunnerDisagreement(check=check.id + (f"[{param}]" if param else ""), case=text,
+                                               warm=str(failed.msg), fresh="passed the same case")
+    evidence.record(disagreement)
+    warnings.warn(RunnerDisagreementWarning(disagreement.summary() + "\n" + failed.msg), stacklevel=1)
+
+
 def _make_test(check: Check):
     def run(request, session: Session, param: str | None, data=None) -> None:
         spec = _spec(session, data.draw(st.sampled_from(CADENCES), label="save_every") if check.draw else CADENCES[0])
@@ -92,7 +141,7 @@ def _make_test(check: Check):
                 pytest.skip(str(exc))
             case = data.draw(cases, label=check.case.name)
             note(f"{check.case.name} {case_text(check, case)}")
-        report = None
+        failure = None
         try:
             check.decide(session, spec, param, case)
         except CrashPointMissing as exc:
@@ -101,34 +150,51 @@ def _make_test(check: Check):
         except (ConformanceFailure, CrashNotLanded) as exc:
             if request.config.getoption("verbose") >= 2:
                 raise   # -vv: the suite's own frames too
-            report = str(exc)
-        if report is not None:   # outside the except block: no "during handling" chain, no second copy
-            pytest.fail(report, pytrace=False)   # the report is the message; the suite's source is noise
+            failure = exc
+        if failure is not None:   # outside the except block: no "during handling" chain, no second copy
+            raise CheckFailed(str(failure), failure, spec, case)   # the report is the message; the suite's source is noise
 
     if check.draw is None and check.params:
-        def test(self, request, session, param):
+        def drawn(self, request, session, param):
             run(request, session, param)
     elif check.draw is None:
-        def test(self, request, session):
+        def drawn(self, request, session):
             run(request, session, None)
     elif check.params:
         @_profile_seed
         @settings(**SLOW_OK)
         @given(data=st.data())
-        def test(self, request, session, param, data):
+        def drawn(self, request, session, param, data):
             run(request, session, param, data)
     else:
         @_profile_seed
         @settings(**SLOW_OK)
         @given(data=st.data())
-        def test(self, request, session, data):
+        def drawn(self, request, session, data):
             run(request, session, None, data)
+    if check.params:
+        def test(self, request, session, param):
+            _run_confirmed(drawn, check, self, request, session, param)
+    else:
+        def test(self, request, session):
+            _run_confirmed(drawn, check, self, request, session, None)
+    if hasattr(drawn, "hypothesis"):   # pytest's Hypothesis plugin sees the drawn test through it
+        test.hypothesis = drawn.hypothesis
     test.__name__ = f"test_{check.id}"
     test.__qualname__ = f"ResumeConformance.test_{check.id}"
     test.__doc__ = check.summary
     if check.params:
         test = pytest.mark.parametrize("param", check.params)(test)
     return test
+
+
+def _run_confirmed(drawn, check: Check, self, request, session: Session, param: str | None) -> None:
+    """`drawn` (Hypothesis's test, or the plain one), then its reported failure confirmed once in
+    a fresh interpreter; under Hypothesis, only the failure it reports after shrinking."""
+    try:
+        drawn(self, request, session, *([param] if check.params else []))
+    except CheckFailed as failed:
+        _confirmed(request, session, check, param, failed)
 
 
 for _check in CHECKS:

@@ -1,20 +1,28 @@
-"""A root that forks fork servers: one process imports torch and what every fork server imports,
-then forks each fork server a suite process asks for, in place of a fresh interpreter that imports
-it all again (about 2.7 s of CPU per server here).
+"""Development harness only: a root that forks fork servers for the suite processes this
+project's tests start. One process imports torch and loads what every fork server loads, then
+forks each fork server a suite process asks for, in place of a fresh interpreter that imports it
+all again.
 
-For a harness that starts many suite processes on one machine, as this project's tests do (one
-root per test worker, about 140 servers in a full run). A suite process's ForkServer uses it when
-CONFORMANCE_FORK_ROOT names its socket and the root runs the same interpreter with the same
-`conformance`, torch and numpy, as the same user, in the same environment but for the suite's own
-variables and PYTHONPATH; otherwise, or if the root cannot be reached, its fork servers start as
-fresh interpreters.
+Why only here: the project's tests start about a hundred suite processes per test worker, each
+with its own fork servers; a team's run starts one suite process per xdist worker, whose servers
+would wait for a root to start as long as for themselves (docs/running.md, "The process tree").
 
-Protocol, one connection per server: the client sends one JSON line (preload, env, cwd,
-extra_path: PYTHONPATH's entries, executable, modules) with the server's stdin, stdout and
-stderr as SCM_RIGHTS; the root answers {"pid": PID} or {"refused": why}. The forked server is
-made to look like `python -m conformance.run.forkserver PRELOAD...` started by the client: its
-environment, directory, sys.path, argv and standard streams. It is the root's child (reaped by
-the root); the client waits on it through a pidfd. The root exits when its stdin closes.
+A suite process's ForkServer (conformance/run/forkclient.py) uses a root when
+CONFORMANCE_FORK_ROOT names it and it runs the same interpreter with the same `conformance`, torch
+and numpy, as the same user, in the same environment (its PYTHONHASHSEED included) but for the
+suite's own variables and PYTHONPATH; otherwise, or if no root can be reached, its fork servers
+start as fresh interpreters. The dev conftest runs two roots per test worker, with two hash
+secrets: a run's saving and resuming processes come from servers with different ones.
+
+Protocol, one connection per server: the client sends one JSON line (argv: the server's
+arguments, env, cwd, extra_path: PYTHONPATH's entries, executable, modules) with the server's
+stdin, stdout and stderr as SCM_RIGHTS; the root answers {"pid": PID} or {"refused": why}. The
+forked server is made to look like `python -m conformance.run.forkserver ARGV...` started by the
+client: its environment, directory, sys.path, argv and standard streams. It is the root's child
+(reaped by the root); the client waits on it through a pidfd. The root exits when its stdin
+closes.
+
+    python -m tests.forkroot @name     (from the repository root)
 """
 from __future__ import annotations
 
@@ -27,8 +35,9 @@ import socket
 import struct
 import sys
 
-from .forkserver import JOB_PRELOAD, serve, socket_address
-from .warmup import warm_up
+from conformance.run import forkserver
+from conformance.run.forkclient import socket_address
+from conformance.run.warmup import warm_up
 
 MAX_REQUEST = 1 << 22
 # sys.path of `python -m` without PYTHONPATH, less its first entry (the directory it started in).
@@ -87,10 +96,10 @@ def _become_server(req: dict, fds: list[int], closing: list[int]) -> None:
     sys.path[:] = [req["cwd"], *req["extra_path"], *BASE_PATH]
     sys.path_importer_cache.clear()
     importlib.invalidate_caches()
-    sys.argv[:] = [sys.modules["conformance.run.forkserver"].__file__, *req["preload"]]
+    sys.argv[:] = [forkserver.__file__, *req["argv"]]
     code = 0
     try:
-        serve(req["preload"])
+        forkserver.main(list(req["argv"]))
     except BaseException:
         import traceback
         traceback.print_exc()
@@ -116,7 +125,7 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def serve_root(address: str) -> None:
     """Accept requests on the Unix socket `address` ("@name": abstract) until stdin closes."""
-    warm_up(ROOT_PRELOAD)
+    warm_up([], ROOT_PRELOAD)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_address(address))
     listener.listen(64)
@@ -152,10 +161,10 @@ def serve_root(address: str) -> None:
                         os.close(fd)
 
 
-# What the root imports for every server it forks: torch (with warmup's lazy modules), numpy, and
-# the job servers' launcher and collectives. A server for a single process gets the job modules
-# too, imported and idle (no thread, no socket), as its children do.
-ROOT_PRELOAD = ["numpy", *JOB_PRELOAD]
+# What the root loads, out of sight, for every server it forks: torch's lazy modules (warmup.py)
+# and the job servers' launcher and collectives. A server for a single process has the job modules
+# too, loaded and hidden (no thread, no socket), as its children do.
+ROOT_PRELOAD = list(forkserver.JOB_PRELOAD)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The warm runner's fork server: what it does once for its children (run/warmup.py), the child it
-forks ahead of each request, the allocator setting it starts with, and a root that forks fork
-servers (run/forkroot.py)."""
+forks ahead of each request, the allocator setting it starts with, and the development harness's
+root that forks fork servers (tests/forkroot.py)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance.run.forkserver import ROOT_ENV, ForkServer, server_env
+from conformance.run.forkclient import ROOT_ENV, ForkServer
+from conformance.run.forkserver import server_env
 from conformance.run.warmup import huge_page_tunables
 from conformance.trace.strace import strace_problem
 
@@ -102,8 +103,9 @@ def test_a_child_starts_without_the_syscalls_its_server_made_for_it(server, tmp_
 @pytest.fixture
 def root(tmp_path):
     address = f"@conformance-test-root-{os.getpid()}-{tmp_path.name}"
-    proc = subprocess.Popen([sys.executable, "-m", "conformance.run.forkroot", address], env=server_env(os.environ),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.forkroot", address], env=server_env(os.environ),
+                            cwd=Path(__file__).resolve().parents[1], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout.readline().strip() == "ready"
     yield address, proc
     proc.stdin.close()

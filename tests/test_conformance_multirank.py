@@ -43,15 +43,17 @@ def test_a_job_reads_one_log_per_rank_and_the_global_loss_is_their_mean(tmp_path
     assert not RunSpec(4, 2, 0).is_job and RunSpec(4, 2, 0, 2).describe().endswith("world_size=2")
 
 
-@pytest.mark.parametrize("runner_class", ["SubprocessRunner", "WarmRunner"])
+@pytest.mark.parametrize("runner_class", ["fresh.SubprocessRunner", "warm.WarmRunner"])
 @pytest.mark.parametrize("nnodes", [1, 2])
 def test_torchruns_logs_stay_in_the_runs_directory(tmp_path, runner_class, nnodes):
     """torchrun's agent makes a log directory per job; without --log-dir it is a new
     /tmp/torchelastic_* that nothing removes. The suite's are beside the job's stderr file."""
+    import importlib
+
     from conformance.model.adapters import resolve
-    from conformance.run import runners
+    module, _, name = runner_class.partition(".")
     adapter = resolve("fixtures.ddp_trainer:ADAPTER", None, world_size=2 * nnodes, nnodes=nnodes)
-    runner = getattr(runners, runner_class)()
+    runner = getattr(importlib.import_module(f"conformance.run.{module}"), name)()
     (tmp_path / "ckpt").mkdir()
     log = tmp_path / "loss.jsonl"
     try:

@@ -12,7 +12,9 @@ from conformance.faults.scenario import run_schedule
 from conformance.model.adapters import resolve
 from conformance.model.crash import parse_schedule
 from conformance.model.process import RunSpec
-from conformance.run.runners import SubprocessRunner, WarmRunner, traced_run
+from conformance.run.fresh import SubprocessRunner
+from conformance.run.runners import traced_run
+from conformance.run.warm import WarmRunner
 
 pytestmark = pytest.mark.slow
 

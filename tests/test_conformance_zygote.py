@@ -14,7 +14,8 @@ import time
 from conformance.model.adapters import TrainerAdapter
 from conformance.model.process import RunSpec
 from conformance.run.attach import RankAttacher, announce_pid, attach_strace
-from conformance.run.runners import Limits, WarmRunner
+from conformance.run.runners import Limits
+from conformance.run.warm import WarmRunner
 
 # Each rank records the thread count and name of the process that forked it.
 RECORDS_ITS_PARENT = textwrap.dedent("""\

@@ -12,7 +12,8 @@ import pytest
 
 from conformance.model.adapters import TrainerAdapter
 from conformance.model.process import RunSpec
-from conformance.run.runners import Limits, ProcessOverran, WarmRunner
+from conformance.run.runners import Limits, ProcessOverran
+from conformance.run.warm import WarmRunner
 
 # Rank 1 logs step 1 and then sleeps for ever; rank 0 waits for it in a barrier. Until step 1 is
 # logged a thread keeps each rank busy: joining the group may legitimately sit idle for seconds
@@ -59,6 +60,7 @@ def test_a_stalled_warm_job_says_where_each_process_was(tmp_path):
         runner.close()
     problem = caught.value.problem
     assert "made no progress" in problem, problem
-    assert problem.count("pid ") >= 2, problem       # both ranks (the agent is listed, not counted)
+    where = caught.value.details   # where each process was: said with the problem, in the failure's details
+    assert where.count("pid ") >= 2, where       # both ranks (the agent is listed, not counted)
     if shutil.which("py-spy"):
-        assert "rank_one_hangs_here" in problem, problem   # the stalled rank's Python stack
+        assert "rank_one_hangs_here" in where, where   # the stalled rank's Python stack

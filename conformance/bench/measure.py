@@ -79,7 +79,8 @@ class TrialTimer:
         from ..model.adapters import command_adapter, resolve
         from ..model.process import RunSpec
         from ..model.settings import SEED, TOTAL_STEPS
-        from ..run.runners import SubprocessRunner, WarmRunner
+        from ..run.fresh import SubprocessRunner
+        from ..run.warm import WarmRunner
 
         runner = WarmRunner() if runner_kind == "warm" else SubprocessRunner()
         adapter = resolve(None, None)

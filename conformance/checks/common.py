@@ -23,6 +23,8 @@ def plot_mismatch(session: Session, check: str, spec: RunSpec, *, schedule: Sche
                   extra: str = "", resumed: list[tuple[str, dict[int, float]]],
                   crashes: list[tuple[str, float]] = (), resumes: list[int] = ()) -> str:
     """Plot baseline vs resumed curves; returns the failure-message line naming the PNG."""
+    if session.verdict_only:
+        return "  plot:     not drawn (a confirmation replay)"
     path = session.plot_dir / plot_name(check, session.adapter.name, schedule, extra)
     title = (f"[{check}] {session.adapter.name}  {spec.describe()}"
              + (f"  schedule {format_schedule(schedule)}" if schedule is not None else "")

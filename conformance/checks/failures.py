@@ -9,7 +9,12 @@ from ..model.process import ProcessResult, RunSpec
 
 
 class ConformanceFailure(AssertionError):
-    """A check failed; the message is the report."""
+    """A check failed; the message is the report. `spec` and `case` (the check's replay options)
+    say which case failed, where the check named one: what a replay, or a confirmation in a fresh
+    interpreter, reruns."""
+
+    spec: RunSpec | None = None
+    case: dict[str, str] | None = None
 
 
 class CheckNotApplicable(Exception):
@@ -56,8 +61,8 @@ def max_abs_diff(baseline: dict[int, float], resumed: dict[int, float]) -> float
     return max(diffs) if diffs else None
 
 
-def format_mismatches(rows, limit: int = 5) -> str:
-    lines = ["    step   baseline          resumed           |diff|"]
+def format_mismatches(rows, limit: int = 5, columns: tuple[str, str] = ("baseline", "resumed")) -> str:
+    lines = [f"    step   {columns[0]:<17} {columns[1]:<17} |diff|"]
     for step, base, got, diff in rows[:limit]:
         b = "missing" if base is None else f"{base:.8g}"
         lines.append(f"    {step:<6} {b:<17} {got:<17.8g} {diff:.3g}")
@@ -84,7 +89,9 @@ def fail(check: str, adapter: TrainerAdapter, spec: RunSpec, problem: str, *, de
     if details:
         lines.append(details.rstrip())
     lines.append(f"  replay:   {replay_command(adapter, check, spec, case)}")
-    return ConformanceFailure("\n".join(lines))
+    failure = ConformanceFailure("\n".join(lines))
+    failure.spec, failure.case = spec, case
+    return failure
 
 
 def step_ranges(steps) -> str:

@@ -89,7 +89,8 @@ class Check:
             why = f" (its ranks had resumed from different steps: {split}, so their collectives never matched)" \
                 if split else ""
             raise session.fail(check_id, spec, f"a trainer process {exc.problem}; it was killed{why}",
-                               details="  stderr:\n" + stderr_tail(exc.result.stderr),
+                               details=(exc.details + "\n" if exc.details else "") + "  stderr:\n"
+                               + stderr_tail(exc.result.stderr),
                                case=({self.case.name: case_text(self, case)} if self.case and case is not None
                                      else None)) from None
 

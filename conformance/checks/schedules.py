@@ -105,6 +105,8 @@ def resume_matches_baseline(session: Session, check: str, spec: RunSpec, _param,
 
 
 def _likely_cause(session: Session, spec: RunSpec, resumed_from: int, losses: dict[int, float]) -> str:
+    if session.verdict_only:
+        return "  likely cause: not looked for (a confirmation replay)"
     try:
         return diagnose(session, spec, resumed_from, losses).render()
     except Exception as exc:   # an experiment that breaks must not hide the verdict

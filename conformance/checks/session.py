@@ -18,7 +18,9 @@ from ..model.adapters import TrainerAdapter
 from ..model.crash import CrashPoint
 from ..model.process import RunSpec
 from ..model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
-from ..run.runners import Limits, ProcessOverran, Runner, WarmRunner, traced_run
+from ..run.fresh import SubprocessRunner
+from ..run.runners import Limits, ProcessOverran, Runner, traced_run
+from ..run.warm import WarmRunner
 from ..trace import alignment
 from ..trace.recording import RecordedRun
 from ..trace.strace import strace_problem
@@ -63,6 +65,8 @@ class Session:
         self._lock = threading.RLock()   # crash states ask from several threads: compute each value once
         self._resumes: dict[tuple, tuple] = {}   # (probe, directory key) -> (result, what it named, where it ran)
         self.resumes_shared = 0                  # how many resumes shared_resume did not run again
+        self._twin: Session | None = None        # fresh_twin
+        self.verdict_only = False   # a fresh twin: a failure's verdict only (no plot, no likely-cause experiments)
 
     def _cached(self, key: tuple, compute):
         """compute() once per key; a failure is kept and raised again (a trainer that hangs costs
@@ -105,7 +109,29 @@ class Session:
         total = self.process_timeout or max(120.0, 20 * d)
         return Limits(total_s=total, stall_s=min(total, max(30.0, 5 * d)))
 
+    def fresh_twin(self) -> Session | None:
+        """This trainer under a fresh interpreter per process, with this session's settings, in a
+        directory of its own (None when this session's runner starts fresh interpreters already):
+        where a failure found under the warm runner is replayed before it is reported."""
+        if self.runner.fresh() is self.runner:
+            return None
+        with self._lock:
+            if self._twin is None:
+                twin = Session(self.adapter, self.workdir / "fresh-twin", runner=SubprocessRunner(jobs=self.runner.jobs),
+                               tol=self.tol, plot_dir=self.plot_dir, process_timeout=self.process_timeout,
+                               grace_s=self.grace_s, cold=self.cold, resume_python=self.resume_python,
+                               hang_timeout=self.hang_timeout)
+                twin.verdict_only = True
+                for key, value in self._cache.items():   # the fresh second runs are its baselines
+                    if key[0] == "second" and value[0] == "ok":
+                        twin._cache[("baseline", key[1])] = value
+                        twin.runner.limits = twin.limits_after(value[1])
+                self._twin = twin
+            return self._twin
+
     def close(self) -> None:
+        if self._twin is not None:
+            self._twin.close()
         self.runner.close()
         if self.scratch != self.workdir:
             shutil.rmtree(self.scratch, ignore_errors=True)
@@ -130,8 +156,13 @@ class Session:
         return self._cached(("baseline", spec), lambda: self._uninterrupted(spec, "baseline", data=True))
 
     def second_run(self, spec: RunSpec) -> RecordedRun:
-        """Another uninterrupted run: what differs from the baseline is run-random or nondeterministic."""
-        return self._cached(("second", spec), lambda: self._uninterrupted(spec, "second", data=False))
+        """Another uninterrupted run, in a fresh interpreter (a warm runner's too): what differs
+        from the baseline is run-random, nondeterministic, or depends on the process it runs in, as
+        it then differs in every real restart. A warm runner's is recorded as a baseline is, so that
+        the fresh twin (fresh_twin) that confirms a failure starts from it."""
+        fresh = self.runner.fresh()
+        return self._cached(("second", spec), lambda: self._uninterrupted(
+            spec, "second", data=fresh is not self.runner, runner=fresh))
 
     def stable_paths(self, spec: RunSpec) -> frozenset[str]:
         """Relative paths under the checkpoint directory that two uninterrupted runs share (no
@@ -145,14 +176,15 @@ class Session:
             return frozenset(paths(self.baseline(spec)) & paths(self.second_run(spec)))
         return self._cached(("stable", spec), compute)
 
-    def _uninterrupted(self, spec: RunSpec, tag: str, *, data: bool) -> RecordedRun:
+    def _uninterrupted(self, spec: RunSpec, tag: str, *, data: bool, runner: Runner | None = None) -> RecordedRun:
         try:
-            run = traced_run(self.runner, self.adapter, spec, self.case_dir(tag), tag=tag, data=data,
+            run = traced_run(runner or self.runner, self.adapter, spec, self.case_dir(tag), tag=tag, data=data,
                              trace=self.trace_problem() is None)
         except ProcessOverran as exc:
             what = "the first uninterrupted run" if tag == "baseline" else "an uninterrupted run"
             raise self.fail("determinism_precondition", spec, f"{what}: the trainer {exc.problem}",
-                            details="  stderr:\n" + stderr_tail(exc.result.stderr)) from None
+                            details=(exc.details + "\n" if exc.details else "") + "  stderr:\n"
+                            + stderr_tail(exc.result.stderr)) from None
         if tag == "baseline":
             self.runner.limits = self.limits_after(run)
         if spec.world_size > 1:
@@ -190,7 +222,9 @@ class Session:
         again = self.second_run(spec)
         rows = loss_mismatches(base.losses, again.losses, self.tol)
         losses = None
-        if rows or set(again.losses) != set(base.losses):
+        if (rows or set(again.losses) != set(base.losses)) and self._warm_again_agrees(spec, base):
+            losses = process_dependence(rows)
+        elif rows or set(again.losses) != set(base.losses):
             losses = "not deterministic without interruption: two uninterrupted runs differ\n" + format_mismatches(rows)
         lined_up = alignment.align_job(base, again)
         operations = None
@@ -206,6 +240,14 @@ class Session:
             run_random_names=tuple(n.describe() for n in lined_up.names),
             divergence=lined_up.divergence.describe("run 1", "run 2") if lined_up.divergence else "")
         return Determinism(losses, operations, lined_up, numbers)
+
+    def _warm_again_agrees(self, spec: RunSpec, base: RecordedRun) -> bool:
+        """With a warm runner whose fresh run differed from the baseline: whether another warm run
+        (losses only) repeats the baseline; then the difference is the process's, not noise."""
+        if self.runner.fresh() is self.runner:
+            return False
+        again = self.run_once(spec, "warm-again")
+        return again.result.returncode == 0 and again.losses == base.losses
 
     def prefix(self, spec: RunSpec, stop: int | None = None) -> tuple[RecordedRun, int]:
         """A traced run stopped at the last save before total_steps (or at `stop`, a save step),
@@ -264,6 +306,18 @@ class Session:
     def same_as_plain_resume(self, spec: RunSpec, step: int, losses: dict[int, float]) -> bool:
         plain = self.plain_resume_losses(spec, step)
         return bool(plain) and bool(losses) and set(losses) <= set(plain) and not loss_mismatches(plain, losses, self.tol)
+
+
+def process_dependence(rows) -> str:
+    """determinism_precondition's failure when a fresh interpreter's uninterrupted run differs from
+    the warm runner's, which another warm run repeats (rows: loss_mismatches, fresh against warm)."""
+    first = (f"from step {rows[0][0]} ({rows[0][1]:.8g} in the warm run, {rows[0][2]:.8g} in the fresh one)"
+             if rows and rows[0][1] is not None else "in which steps it logged")
+    return ("not deterministic across processes: a fresh interpreter's uninterrupted run differs from the warm "
+            f"runner's {first}; the trainer depends on the process it runs in (the order of a set or dict of "
+            "strings and hash() change with each interpreter's hash secret; a generator seeded from the OS, such as "
+            "random.Random() or numpy's default_rng() without a seed, draws differently; the environment), so "
+            "every real restart gives it another curve\n" + format_mismatches(rows, columns=("warm", "fresh")))
 
 
 def scratch_root(workdir: Path) -> Path:

@@ -294,7 +294,10 @@ def run_pytest(cmd: list[str], run_dir: Path) -> Outcome:
     except ValueError as exc:
         output = (proc.stdout + proc.stderr).strip().splitlines()
         return Outcome({}, [("(no report)", f"pytest exited {proc.returncode}: {output[-1] if output else ''} ({exc})")])
-    return Outcome(loaded.counts, [(c.check, c.message) for c in loaded.failed])
+    # A runner disagreement (the warm runner failed what a fresh interpreter passed) passes the check
+    # but is a flaw of the suite's: a soak counts it as a failure.
+    return Outcome(loaded.counts, [(c.check, c.message) for c in loaded.failed]
+                   + [(c.check, f"{found.summary()}\n{found.warm}") for c, found in loaded.disagreements])
 
 
 def load_text() -> str:

@@ -239,6 +239,23 @@ class Plot(Evidence):
 
 
 @dataclasses.dataclass(frozen=True)
+class RunnerDisagreement(Evidence):
+    """A case the warm runner failed and a fresh interpreter per process passed, replayed once:
+    the warm runner did not stand in for a real restart. The suite's problem, never the trainer's
+    failure."""
+
+    kind: ClassVar[str] = "runner_disagreement"
+    check: str
+    case: str
+    warm: str      # the warm run's failure, as it was reported
+    fresh: str     # what the fresh replay did
+
+    def summary(self) -> str:
+        return (f"RUNNER DISAGREEMENT: the warm runner failed {self.check}{f' ({self.case})' if self.case else ''} "
+                f"and a fresh interpreter {self.fresh}: the suite's problem, not the trainer's")
+
+
+@dataclasses.dataclass(frozen=True)
 class Note(Evidence):
     kind: ClassVar[str] = "note"
     text: str

@@ -15,7 +15,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..model.evidence import Evidence, Trial
+from ..model.evidence import Evidence, RunnerDisagreement, Trial
 from ..model.settings import VERSION
 
 REPORT_SCHEMA = "conformance-report/2"
@@ -104,6 +104,11 @@ class Report:
         return counts
 
     @property
+    def disagreements(self) -> list[tuple[Case, RunnerDisagreement]]:
+        """Each case the warm runner failed and a fresh interpreter passed (the suite's problem)."""
+        return [(c, e) for c in self.cases for e in c.evidence if isinstance(e, RunnerDisagreement)]
+
+    @property
     def failed(self) -> list[Case]:
         """The failed and errored cases, each failure once (`Case.failure`): the first case of it."""
         distinct: dict[tuple[str, str], Case] = {}
@@ -135,7 +140,8 @@ class Report:
         out["adapter"] = dataclasses.asdict(self.adapter) if self.adapter else None
         levels = self.levels()
         top = highest(levels)
-        return {**out, "counts": self.counts, "level": top.level if top else None,
+        return {**out, "counts": self.counts, "runner_disagreements": len(self.disagreements),
+                "level": top.level if top else None,
                 "levels": [dataclasses.asdict(s) for s in levels], "cases": [c.to_json() for c in self.cases]}
 
 
@@ -217,10 +223,15 @@ def render_markdown(report: Report) -> str:
     top = highest(levels)
     lines += [f"**Conformance level: {f'{top.level} ({top.meaning})' if top else 'none met'}** · "
               + " · ".join(f"{s.level} {s.status}" for s in levels), ""]
-    lines += [" · ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no checks ran",
-              "",
-              "| check | outcome | evidence |",
-              "|---|---|---|"]
+    lines += [" · ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no checks ran", ""]
+    disagreements = report.disagreements
+    if disagreements:
+        lines += [f"**{len(disagreements)} runner disagreement(s)**: the warm runner failed a case that a fresh "
+                  "interpreter per process passed. The suite's problem, not the trainer's (the checks passed): "
+                  "please report it with the lines below.", ""]
+        for _, found in disagreements:
+            lines += ["```", found.summary(), found.warm.rstrip(), "```", ""]
+    lines += ["| check | outcome | evidence |", "|---|---|---|"]
     lines += _rows(report.cases)
     for case in report.failed:
         found = sum(c.outcome in ("failed", "error") and c.failure == case.failure for c in report.cases)

@@ -10,6 +10,7 @@ import subprocess
 
 from ..model.adapters import TrainerAdapter
 from ..model.settings import PROFILE_USES
+from ..run.attach import attach_problem
 from ..run.forkserver import warm_target
 from ..trace.strace import strace_problem
 
@@ -32,6 +33,12 @@ def runner_choice(adapter: TrainerAdapter, runner_option: str | None) -> tuple[s
     if runner_option == "fresh":
         return "fresh", "--runner=fresh: a new interpreter per trainer process"
     target, why = warm_target(adapter)
+    refused = attach_problem() if target is not None and adapter.has("syscall_crash") and not strace_problem() \
+        else None
+    if refused:
+        return "fresh", (f"strace cannot attach to a running process here ({refused}), as the warm runner's tracing "
+                         "needs (docs/running.md, \"Where ptrace is restricted\"), so every trainer process starts a new "
+                         "interpreter and imports torch again (seconds each)")
     if target is not None:
         what = target.target if target.kind == "module" else os.path.basename(target.target)
         return "warm", f"processes forked from one that imported torch and {what} once"

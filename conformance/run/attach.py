@@ -2,13 +2,28 @@
 ranks), and waiting until it is attached before the process goes on."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 from .proctree import exited
+
+_PR_SET_PTRACER = 0x59616D61   # Yama
+
+
+def allow_tracer(pid: int | None) -> None:
+    """Let process `pid` and its descendants ptrace this one (Yama's PR_SET_PTRACER): where
+    ptrace_scope is 1, the Ubuntu and GitHub-runner default, only an ancestor may attach, and the
+    suite's strace is not this process's ancestor. A kernel without Yama refuses the call; then
+    nothing needed it."""
+    if pid:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, pid, 0, 0, 0)
 
 
 def attach_strace(prefix: list[str], pid: int) -> subprocess.Popen:
@@ -28,12 +43,50 @@ def attach_strace(prefix: list[str], pid: int) -> subprocess.Popen:
     return tracer
 
 
+@functools.cache
+def attach_problem() -> str | None:
+    """None if strace can attach to a running process of this user that allowed this process's
+    descendants to (allow_tracer), as the warm runner's tracing does; else why not (Yama's
+    ptrace_scope 2 or 3, a container without CAP_SYS_PTRACE, a seccomp profile). Probed with one
+    real attach."""
+    if shutil.which("strace") is None:
+        return "strace is not installed"
+    code = (f"import ctypes, sys; ctypes.CDLL(None).prctl({_PR_SET_PTRACER}, int(sys.argv[1]), 0, 0, 0); "
+            "print('ready', flush=True); sys.stdin.read()")
+    target = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    tracer = None
+    try:
+        target.stdout.readline()
+        tracer = attach_strace(["strace", "-o", os.devnull], target.pid)
+        return None
+    except RuntimeError as exc:
+        return " ".join(str(exc).split())
+    finally:
+        target.kill()
+        target.wait()
+        if tracer is not None:
+            tracer.wait()
+
+
 def announce_pid(directory: Path, rank: int, pid: int) -> None:
-    """A traced warm rank tells the suite its pid: written whole (temp name, then rename), since
-    `RankAttacher` reads the file as soon as the name exists."""
+    """A warm rank tells the suite its pid (to attach strace to, and to say which process is which
+    rank): written whole (temp name, then rename), since `RankAttacher` reads the file as soon as
+    the name exists."""
     tmp = directory / f".rank{rank}.tmp"
     tmp.write_text(str(pid))
     os.replace(tmp, directory / f"rank{rank}")
+
+
+def announced(directory: Path | None) -> dict[int, int]:
+    """pid -> rank of each warm rank that announced its pid in `directory`."""
+    found: dict[int, int] = {}
+    for path in directory.glob("rank*") if directory is not None else ():
+        try:
+            found[int(path.read_text())] = int(path.name[len("rank"):])
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 class RankAttacher:

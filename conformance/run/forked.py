@@ -6,9 +6,10 @@ import dataclasses
 import json
 import os
 import signal
-import sys
 
-from .child import run_target
+from .attach import allow_tracer
+from .child import exit_like_interpreter, run_target
+from .zygote import die_with_parent
 
 
 def run_released(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int,
@@ -37,11 +38,7 @@ def run_released(module: str, argv: list[str], env: dict[str, str], stderr_path:
         code = run_target(module, argv, env, kind)
     if code == 0 and then_env is not None:   # a second run in the same process (diagnosis)
         code = run_target(module, argv, then_env, kind)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
+    exit_like_interpreter(code)
 
 
 @dataclasses.dataclass
@@ -59,8 +56,10 @@ class SpareChild:
     def fork(cls, inherited: tuple[int, ...]) -> SpareChild:
         r, w = os.pipe()
         ack_r, ack_w = os.pipe()
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
+            die_with_parent(server)   # a trainer process never outlives its server
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for fd in (w, ack_r, *inherited):
@@ -68,6 +67,7 @@ class SpareChild:
             req = _read_request(r)
             if req is None:   # the server went away before handing it out
                 os._exit(0)
+            allow_tracer(req.get("tracer"))   # before strace attaches: it does once the ack is seen
             os.close(ack_w)
             run_released(req["module"], req["argv"], req["env"], req["stderr"], r, req.get("then"),
                          req.get("kind", "module"), req.get("job"))

@@ -38,6 +38,7 @@ import dataclasses
 import errno
 import importlib.util
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -50,6 +51,7 @@ MONITOR_INTERVAL_S = 0.005
 STRACE_VAR = "CONFORMANCE_RANK_STRACE"      # JSON {rank: strace argv prefix}
 STDERR_VAR = "CONFORMANCE_RANK_STDERR"      # a path with "{rank}" in it
 ANNOUNCE_VAR = "CONFORMANCE_RANK_ANNOUNCE"  # warm: directory where a traced rank announces its pid
+TRACER_VAR = "CONFORMANCE_RANK_TRACER"      # warm: the suite's pid, whose strace may attach to the rank
 # How long an agent waits for the others to join the rendezvous (torchrun's default: 600 s).
 JOIN_TIMEOUT_S = 120
 PORT_IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
@@ -149,6 +151,7 @@ def rank_env(env: dict[str, str], spec: RunSpec, *, stderr_template: Path, strac
     env[STRACE_VAR] = json.dumps({str(r): p for r, p in straces.items()})
     if announce is not None:
         env[ANNOUNCE_VAR] = str(announce)
+        env[TRACER_VAR] = str(os.getpid())
     # torchrun sets this for W > 1 when it is unset (and prints a banner saying so): set it first.
     env.setdefault("OMP_NUM_THREADS", "1")
     return env

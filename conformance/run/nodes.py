@@ -21,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..model.process import RunSpec
-from . import launch
-from .proctree import process_tree
+from . import launch, proctree
+from .guardian import Guardian
+from .proctree import comm, process_tree
 from .watchdog import Watchdog
 from .zygote import ZYGOTE_COMM
 
@@ -41,34 +42,16 @@ class Node:
     after_peer: bool = False    # stopped by the suite once another node had failed and it had no rank left
 
 
-def _untraced_tree(pid: int, skip: frozenset[str] = frozenset({"strace"})) -> list[int]:
-    """`pid` and every process below it but those named in `skip` (strace), parents first (gone
-    ones left out)."""
-    out = []
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/comm") as f:
-                if f.read().strip() not in skip:
-                    out.append(p)
-        except OSError:
-            continue
-    return out
-
-
 def ranks_left(pid: int) -> bool:
     """Whether a process (a node's agent) still has a process under it other than a tracer or a
     warm job's rank zygote (which waits for requests as long as the agent lives)."""
-    return len(_untraced_tree(pid, frozenset({"strace", ZYGOTE_COMM}))) > 1
+    return sum(comm(p) not in ("", "strace", ZYGOTE_COMM) for p in process_tree(pid)) > 1
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process below it but strace (which then reports its tracee's death
-    and exits), the parent first."""
-    for p in _untraced_tree(pid):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
+    """A node lost whole: SIGKILL `pid` and every process below it but strace (which then reports
+    its tracee's death and exits)."""
+    proctree.kill_tree(pid, spare_tracers=True)
 
 
 class NodeJob:
@@ -193,13 +176,17 @@ def fresh_agent(trainer_argv: tuple[str, ...], spec: RunSpec, env_for: Callable[
         with open(node_stderr(stderr_path, k), "wb") as err:
             proc = subprocess.Popen(argv, env=env_for(k), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                     start_new_session=True)
+            Guardian.watch(proc.pid)
             started(proc.pid)
-            while proc.poll() is None:
-                if should_stop():
-                    kill_tree(proc.pid)
-                    proc.wait()
-                    break
-                time.sleep(poll)
+            try:
+                while proc.poll() is None:
+                    if should_stop():
+                        kill_tree(proc.pid)
+                        proc.wait()
+                        break
+                    time.sleep(poll)
+            finally:
+                Guardian.release(proc.pid)
         return proc.returncode
     return run
 

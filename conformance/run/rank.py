@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..model.process import mark_restart
 from . import launch
-from .attach import announce_pid
+from .attach import allow_tracer, announce_pid
 from .child import run_target
 from .zygote import RankZygote, proxy_rank
 
@@ -67,12 +67,15 @@ def warm_rank(target: str, argv: list[str], kind: str, env: dict[str, str]) -> i
     os.environ.update(env)
     rank, prefix = _setup_rank()
     announce = os.environ.pop(launch.ANNOUNCE_VAR, "")
+    allow_tracer(int(os.environ.pop(launch.TRACER_VAR, "") or 0))   # the suite's strace, py-spy
     if prefix and announce:
         go = Path(announce) / f"go.rank{rank}"
         fd = os.open(go, os.O_RDONLY)   # the suite holds the FIFO's write end open: never blocks
         announce_pid(Path(announce), rank, os.getpid())
         os.read(fd, 1)                  # released once strace is attached
         os.close(fd)
+    elif announce:   # untraced: its pid only tells the watchdog which process is this rank
+        announce_pid(Path(announce), rank, os.getpid())
     return run_target(target, argv, dict(os.environ), kind)
 
 
@@ -105,21 +108,23 @@ def _poll_rendezvous_faster() -> None:
 def run_job(flags: list[str], target: str, argv: list[str], kind: str) -> int:
     """Warm mode, in the job's process: what the `torchrun` program does with `flags`, with
     `warm_rank` as every rank's entry point. Returns torchrun's exit status (0, or 1 when a rank
-    failed)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, get_args_parser
-
-    args = get_args_parser().parse_args([*flags, "--start-method=fork", "conformance-warm-rank"])
-    config, _, _ = config_from_args(args)
-    if args.rdzv_backend == "c10d":
-        _poll_rendezvous_faster()
-    zygote = RankZygote.start(functools.partial(warm_rank, target, argv, kind))   # while one thread runs
+    failed). The zygote is forked first, while one thread runs and before torchrun's modules are
+    brought into sight (deferred.py): a rank has only what its trainer imports, as torchrun's do."""
+    zygote = RankZygote.start(functools.partial(warm_rank, target, argv, kind))
     try:
-        elastic_launch(config=config, entrypoint=proxy_rank)(zygote.address)
-    except ChildFailedError as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import elastic_launch
+        from torch.distributed.run import config_from_args, get_args_parser
+
+        args = get_args_parser().parse_args([*flags, "--start-method=fork", "conformance-warm-rank"])
+        config, _, _ = config_from_args(args)
+        if args.rdzv_backend == "c10d":
+            _poll_rendezvous_faster()
+        try:
+            elastic_launch(config=config, entrypoint=proxy_rank)(zygote.address)
+        except ChildFailedError as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
     except Exception as exc:   # the agent itself failed (rendezvous, a signal): as torchrun, exit 1
         print(f"torchrun agent: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

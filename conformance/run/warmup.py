@@ -1,22 +1,38 @@
 """What a fork server does once, before it forks, so that none of its children does it again.
 
-A child traced for a kill stops twice in strace for each of its syscalls (about 80 us a call on
-2 cores), so work every child repeats costs each trial: torch's lazy imports, the source lines
-torch's seeding call formats, CPU detection, the bytecode of the trainer's module. None of it
-starts a thread or runs a tensor op, so the children still start with no thread pool and no
-device state.
+A child traced for a kill stops twice in strace for each of its syscalls, so work every child
+repeats costs each trial: torch's lazy imports, the source lines torch's seeding call formats, CPU
+detection, the bytecode of the trainer's module. None of it starts a thread or runs a tensor op,
+so the children still start with no thread pool and no device state. The trainer's module is
+imported first, as a fresh interpreter imports it; what a fresh interpreter imports only later
+(torch's lazy modules, the launcher's) is loaded after it and kept out of sight until the trainer
+imports it (deferred.py).
 """
 from __future__ import annotations
 
 import gc
 import importlib
 import linecache
+import os
 import sys
 
-# torch imports these lazily in every child otherwise: dynamo on the first optimizer construction
-# (seconds), the profiler's CUPTI monitor on the first optimizer step and the serialization helpers
-# on the first torch.save (~10 ms together, per trial process). A module this torch lacks is skipped.
+from .deferred import Deferred
+
+# torch imports these lazily in every child otherwise: dynamo on the first optimizer or DDP
+# construction (about as long as importing torch), the profiler's CUPTI monitor on the first
+# optimizer step and the serialization helpers on the first torch.save. A module this torch lacks
+# is skipped.
 LAZY_IMPORTS = ("torch._dynamo", "torch.profiler._cupti_monitor", "torch.utils.serialization")
+# What this process loaded ahead of its trainer and keeps out of sight (inherited by its children).
+DEFERRED = Deferred()
+# The threads this process has once torch is imported: the BLAS library's workers (numpy's
+# OpenBLAS starts one per extra core), which make themselves fork-safe (pthread_atfork). A thread
+# beyond these (a Python thread, or one the trainer's imports start) makes forking unsafe.
+LIBRARY_THREADS: list[int] = []
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 # torch.manual_seed (and set_rng_state) queue each lazy device's seed with
 # traceback.format_stack(), which reads every file on the stack through linecache, and checks each
@@ -28,16 +44,12 @@ SEEDING_MODULES = ("torch.random", "torch._compile", "torch._dynamo.eval_frame",
                    *(f"torch.{device}{sub}" for device in ("cuda", "xpu", "mtia", "mps") for sub in ("", ".random")))
 
 
-def warm_up(preload: list[str]) -> None:
-    """Import torch, its lazy modules and `preload`, then do the per-child work below once."""
+def warm_up(preload: list[str], later: list[str] = ()) -> None:
+    """Import torch and `preload` (the trainer's modules) as a fresh interpreter would, then load
+    torch's lazy modules and `later` out of sight (deferred.py), then do the per-child work below
+    once."""
     import torch  # noqa: F401  (import only: no tensor op, no CUDA call before forking)
-    for lazy in LAZY_IMPORTS:
-        try:
-            importlib.import_module(lazy)
-        except ModuleNotFoundError:
-            pass
-        except Exception as exc:
-            print(f"forkserver: cannot preload {lazy}: {exc!r}", file=sys.stderr)
+    LIBRARY_THREADS[:] = [thread_count()]
     # Bytecode may be cached for the trainer's module here, so children running it as __main__
     # skip compiling it; children never write bytecode (it would shift their write counts).
     sys.dont_write_bytecode = False
@@ -46,6 +58,7 @@ def warm_up(preload: list[str]) -> None:
             importlib.import_module(module)
         except Exception as exc:  # a module that cannot be preloaded is simply imported per child
             print(f"forkserver: cannot preload {module}: {exc!r}", file=sys.stderr)
+    DEFERRED.load([*LAZY_IMPORTS, *later], lambda problem: print(f"forkserver: {problem}", file=sys.stderr))
     sys.dont_write_bytecode = True
     read_seeding_sources(preload)
     detect_cpu()
@@ -62,7 +75,7 @@ def read_seeding_sources(preload: list[str]) -> None:
     entries linecache does not stat again (as it treats sources a loader gave it): the lines are
     those of the code the server loaded, which is the code its children run."""
     for name in (*SEEDING_MODULES, *preload):
-        path = getattr(sys.modules.get(name), "__file__", None)
+        path = getattr(sys.modules.get(name) or DEFERRED.hidden.get(name, (None,))[0], "__file__", None)
         if path and path.endswith(".py") and linecache.getlines(path):
             size, _, lines, fullname = linecache.cache[path]
             linecache.cache[path] = (size, None, lines, fullname)

@@ -13,7 +13,25 @@ import time
 from pathlib import Path
 
 from ..model.process import ProcessResult, RunSpec, rank_log
-from .proctree import TaskSample, process_tree, progressed, sample_tree, syscall_name, tracers, where  # noqa: F401  (TaskSample, progressed, syscall_name: re-exported)
+from .attach import announced
+from .proctree import (  # noqa: F401  (TaskSample, progressed: re-exported)
+    TaskSample,
+    kill_tree,
+    process_tree,
+    progressed,
+    sample_tree,
+    start_time,
+    tracers,
+)
+from .where import (  # noqa: F401  (syscall_name: re-exported)
+    PY_SPY_MISSING,
+    environ_ranks,
+    log_holders,
+    py_spy,
+    release_from_tracer,
+    syscall_name,
+    where,
+)
 
 GRACE_EXPIRED = "still running at the end of the grace period"
 STARVED_NOTE_S = 0.1   # waits for a CPU shorter than this are not worth a word in the message
@@ -27,11 +45,12 @@ def grace_expired(stopped: str) -> bool:
 
 
 class ProcessOverran(Exception):
-    """A trainer process broke a time or size limit and was killed; the message says which."""
+    """A trainer process broke a time or size limit and was killed; the message says which, and
+    `details` what each of its processes was doing then."""
 
-    def __init__(self, problem: str, result: ProcessResult):
+    def __init__(self, problem: str, result: ProcessResult, details: str = ""):
         super().__init__(problem)
-        self.problem, self.result = problem, result
+        self.problem, self.result, self.details = problem, result, details
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +104,14 @@ class Watchdog:
         self.partials = [b""] * len(self.logs)
         self.rank_steps = [0] * len(self.logs)   # the last step each log (rank) showed
         self.planned: str | None = None
+        self.details = ""   # with an unplanned stop: each rank's state and where each process was
         self.signalled_at: float | None = None
         self.trace_offsets = [0] * len(self.trace_files)
         self.stall_s = min(max(limits.stall_s, limits.job_stall_s), limits.total_s) if spec.is_job else limits.stall_s
         self.sample_s = min(1.0, max(0.05, self.stall_s / 10))
         self.roots: list[int] = []   # the launched processes: one, or a multi-node job's agents
+        self.seen: dict[int, str] = {}   # every process of the run sampled so far -> its start time
+        self.announced: Path | None = None   # where a warm job's ranks announce their pids (attach.announced)
         self.sampled_at = 0.0
         self.tasks: dict[int, TaskSample] | None = None
         self.waits_at_signal: dict[int, int] | None = None   # _waits() when the stop's signal was seen
@@ -110,10 +132,20 @@ class Watchdog:
             return
         interval, self.sampled_at = now - self.sampled_at, now
         pids = self.tree()
+        for pid in pids:
+            self.seen.setdefault(pid, start_time(pid))
         tasks = sample_tree(pids, skip=frozenset(self.roots) if self.spec.is_job else frozenset())
         if self.tasks is not None and progressed(self.tasks, tasks, interval):
             self.progress_at = now
         self.tasks = tasks
+
+    def end_leftovers(self) -> None:
+        """SIGKILL every process of the run still alive (the same process: its start time has not
+        changed): a rank whose agent is gone, in a session of its own, is out of its job's process
+        group and tree."""
+        for pid in [*self.tree(), *self.seen]:
+            if pid not in self.seen or start_time(pid) == self.seen[pid]:
+                kill_tree(pid)
 
     def tree(self) -> list[int]:
         """Every process of the run: each launched process and its descendants."""
@@ -187,6 +219,37 @@ class Watchdog:
                     self.on_signal(getattr(signal, f"SIG{self.stop.signal}"))
         return self.signalled_at is not None
 
+    def _where_now(self) -> str:
+        """Each rank's state (its last step, whether its process is still there) and where each
+        process of the run is, with the stacks of the trainer's processes: read just before the run
+        is killed (their straces are let go of first, so py-spy can attach)."""
+        pids, total = self.tree(), self.spec.total_steps
+        held = log_holders(pids, self.logs)
+        if self.spec.is_job:   # which process is which rank, by what it holds, its environment, its announcement
+            held = {**environ_ranks(pids), **{p: r for p, r in announced(self.announced).items() if p in pids},
+                    **held}
+        elif not held and pids:   # a single process that keeps no log open: the innermost (strace's child)
+            held = {pids[-1]: 0}
+        for pid in held:
+            release_from_tracer(pid)
+        lines = []
+        for i in range(len(self.logs)):
+            who = f"rank {i}" if self.spec.is_job else "the trainer"
+            step = self.rank_steps[i]
+            done = f"logged its last step ({step} of {total})" if step >= total else \
+                f"logged up to step {step}" if step else "logged no step"
+            pid = next((p for p, r in held.items() if r == i), None)
+            state = ("no process of it is left" if pid is None else
+                     f"pid {pid} still running: hung at exit" if step >= total else f"pid {pid} still running")
+            lines.append(f"  {who}: {done}; {state}")
+        if not py_spy():
+            lines.append(f"  ({PY_SPY_MISSING})")
+        labels = {pid: (f"rank {r}" if self.spec.is_job else "the trainer") for pid, r in held.items()}
+        if self.spec.is_job:
+            labels.update({root: "torchrun's agent" for root in self.roots})
+        return ("\n".join(lines) + "\n  where each process was:\n"
+                + where(pids, detail=frozenset(held) or None, labels=labels))
+
     @property
     def last_step(self) -> int:
         """The newest step any log (rank) showed (0: none yet)."""
@@ -237,17 +300,22 @@ class Watchdog:
             return self.planned
         if self.last_step > total:
             return f"ran past CONFORMANCE_TOTAL_STEPS (logged step {self.last_step} of {total})"
+        finished = all(step >= total for step in self.rank_steps)
         if now - self.start > self.limits.total_s:
+            self.details = self._where_now()
+            if finished:
+                return (f"hung at exit: it logged its last step ({total} of {total}) but had not exited "
+                        f"{self.limits.total_s:.0f} s after it started")
             return (f"did not finish {total} steps in {self.limits.total_s:.0f} s "
                     f"({f'logged up to step {self.last_step}' if self.last_step else 'logged no step'})")
         self._sample(now)
         if now - self.progress_at > self.stall_s:
             after = f"after step {self.last_step}" if self.last_step else "before logging any step"
-            if not self.roots:
-                return f"made no progress for {self.stall_s:.0f} s {after}"
+            self.details = self._where_now() if self.roots else ""
             who = "no process under torchrun's agent" if self.spec.is_job else "no process of it"
-            return (f"made no progress for {self.stall_s:.0f} s {after}: no new step, and {who} ran, made a "
-                    f"system call or waited for a CPU; where each process was:\n" + where(self.tree()))
+            what = (f"made no progress for {self.stall_s:.0f} s {after} (no new step, and {who} worked, read, wrote "
+                    "or waited for a CPU)")
+            return f"hung at exit: it logged its last step, then {what}" if finished else what
         for trace_file in self.trace_files:
             try:
                 size = trace_file.stat().st_size

@@ -23,8 +23,9 @@ import secrets
 import selectors
 import signal
 import socket
-import sys
 from collections.abc import Callable
+
+from .child import exit_like_interpreter
 
 # The zygote's name in /proc/PID/comm: what tells it from a rank (nodes.ranks_left).
 ZYGOTE_COMM = "rank-zygote"
@@ -38,7 +39,7 @@ def _prctl(option: int, arg) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """SIGKILL this process when its parent exits (and now, if it already has)."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
@@ -90,7 +91,7 @@ class RankZygote:
         pid = os.fork()
         if pid == 0:
             try:
-                _die_with_parent(parent)
+                die_with_parent(parent)
                 _serve(listener, run_rank)
             finally:
                 os._exit(1)
@@ -147,11 +148,7 @@ def _serve(listener: socket.socket, run_rank: Callable[[dict[str, str]], int]) -
             try:
                 code = run_rank(env)
             finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
+                exit_like_interpreter(code)
         rank_of[conn], proxy_of[pid] = pid, (conn, proxy)
         conn.sendall(f"pid {pid}\n".encode())
 

@@ -1,0 +1,191 @@
+"""The warm runner: trainer processes forked from a server that imported torch and the trainer's
+module once (forkserver.py, through forkclient.py), two servers per trainer for two process
+identities (identity.py); a job's agent is forked the same way and forks its ranks (rank.py)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ..model.adapters import TrainerAdapter
+from ..model.process import ProcessResult, RunSpec
+from . import launch, nodes
+from .attach import RankAttacher, attach_strace
+from .fresh import SubprocessRunner
+from .identity import Identities, hash_seeds
+from .runners import POLL_S, Jobs, Tracing, finish, job_stderr, run_nodes, signal_group, terminal_signals
+from .watchdog import Limits, Stop, Watchdog
+
+
+class WarmRunner(Jobs):
+    """Forks trainer processes from a warm process that has imported torch and the trainer's
+    module once (see forkserver.py); a job's agent is forked the same way and forks its ranks.
+    Each trainer has two such servers with different process identities (identity.py): a process
+    that resumes runs on the other one than the process that saved. Trainers the server cannot run
+    (another interpreter, a shell wrapper, a module that starts a thread at import) and machines
+    where strace cannot attach to a running process (attach.attach_problem) get a fresh
+    interpreter per process instead."""
+
+    def __init__(self, limits: Limits | None = None, jobs: launch.JobConfig | None = None):
+        from .forkclient import roots
+        terminal_signals()
+        self._servers: dict = {}
+        self.jobs = jobs or launch.JobConfig()
+        self._fallback = SubprocessRunner(jobs=self.jobs)
+        self._lock = threading.Lock()
+        self.limits = limits or Limits()
+        self.identities = Identities(hash_seeds(os.environ, [seed for _, seed in roots() if seed]))
+        self.refused: dict[str, str] = {}   # trainer spec -> why its server cannot fork (it runs fresh)
+
+    def fresh(self) -> SubprocessRunner:
+        """A runner of fresh interpreters with this one's limits and jobs."""
+        self._fallback.limits, self._fallback.jobs = self.limits, self.jobs
+        return self._fallback
+
+    def _server(self, adapter: TrainerAdapter, target, identity: int, *, job: bool = False):
+        from .forkclient import ForkServer
+        from .forkserver import JOB_PRELOAD
+        with self._lock:
+            key = (target.interpreter, target.kind, target.target, adapter.pythonpath, job, identity)
+            if key not in self._servers:
+                preload = [target.target] if target.kind == "module" else script_imports(target.target)
+                env = self.identities.server_env(adapter.environment(dict(os.environ)), identity)
+                self._servers[key] = ForkServer(preload, later=JOB_PRELOAD if job else [], env=env,
+                                                interpreter=target.interpreter)
+            return self._servers[key]
+
+    def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
+                    tracing: Tracing | None = None, stop: Stop | None = None) -> ProcessResult:
+        from .forkclient import ServerRefused
+        from .forkserver import warm_target
+        target, _ = warm_target(adapter)
+        if target is None or adapter.spec in self.refused or _attach_refused(adapter):
+            return self.fresh().run_process(adapter, spec, ckpt_dir, loss_log, tracing=tracing, stop=stop)
+        identity = self.identities.choose(ckpt_dir)
+        try:
+            if spec.is_job:
+                return self._with_port(lambda port: self._run_job(adapter, target, identity, spec, ckpt_dir, loss_log,
+                                                                  tracing, stop, port), spec)
+            return self._run_single(adapter, target, identity, spec, ckpt_dir, loss_log, tracing, stop)
+        except ServerRefused as exc:
+            self.refused[adapter.spec] = str(exc)
+            print(f"conformance: {adapter.name} runs in a fresh interpreter per process: {exc}", file=sys.stderr)
+            return self.fresh().run_process(adapter, spec, ckpt_dir, loss_log, tracing=tracing, stop=stop)
+
+    def _run_single(self, adapter: TrainerAdapter, target, identity: int, spec: RunSpec, ckpt_dir: Path,
+                    loss_log: Path, tracing: Tracing | None, stop: Stop | None) -> ProcessResult:
+        stderr_path = loss_log.with_name(loss_log.name + ".stderr")
+        start = time.monotonic()
+        watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop)
+
+        def attach(pid: int) -> subprocess.Popen | None:
+            watch.follow(pid)
+            return attach_strace(list(tracing.ranks[0][0]), pid) if tracing else None
+
+        rc, overrun = self._server(adapter, target, identity).run(
+            target.target, list(target.argv), adapter.environment(spec.env(ckpt_dir, loss_log)), stderr_path, attach,
+            watch=watch.problem, poll=POLL_S, kind=target.kind)
+        err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
+        return finish(rc, err, spec, loss_log, tracing, start, overrun, watch)
+
+    def _run_job(self, adapter: TrainerAdapter, target, identity: int, spec: RunSpec, ckpt_dir: Path,
+                 loss_log: Path, tracing: Tracing | None, stop: Stop | None, port: int) -> ProcessResult:
+        stderr_path = loss_log.with_name(loss_log.name + ".stderr")
+        template = loss_log.with_name(loss_log.name + ".stderr.rank{rank}")
+        announce = Path(tempfile.mkdtemp(prefix="ranks-", dir=loss_log.parent))
+        straces = {r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())}
+        env = launch.rank_env(adapter.environment(spec.env(ckpt_dir, loss_log)), spec, stderr_template=template,
+                              straces=straces, announce=announce)
+        attacher = RankAttacher(announce, straces)
+        if spec.nnodes > 1:
+            server = self._server(adapter, target, identity, job=True)
+            try:
+                attacher.start()
+                return run_nodes(self.limits, spec, loss_log, tracing, stop, template,
+                                  lambda err: nodes.warm_agent(server, target, spec,
+                                                               lambda k: spec.node_env(env, ckpt_dir, k), port, err,
+                                                               POLL_S),
+                                  problem=attacher.problem)
+            finally:
+                attacher.close()
+                shutil.rmtree(announce, ignore_errors=True)
+        job_pid: list[int] = []
+
+        def attach(pid: int):
+            job_pid.append(pid)
+            watch.follow(pid)
+            return attacher.start()
+
+        start = time.monotonic()
+        watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
+                         on_signal=lambda signum: signal_group(job_pid[0], signum) if job_pid else None)
+        watch.announced = announce
+        def problem() -> str | None:
+            return attacher.problem() or watch.problem()
+
+        try:
+            rc, overrun = self._server(adapter, target, identity, job=True).run(
+                target.target, list(target.argv), env, stderr_path, attach, watch=problem, poll=POLL_S,
+                kind=target.kind, job=launch.torchrun_flags(spec, port, logs=launch.log_dir(stderr_path)))
+        finally:
+            attacher.close()
+            shutil.rmtree(announce, ignore_errors=True)
+        err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
+        return finish(rc, job_stderr(err, template, spec.world_size), spec, loss_log, tracing, start, overrun,
+                       watch)
+
+    def run_twice(self, adapter: TrainerAdapter, first: RunSpec, second: RunSpec, ckpt_dir: Path,
+                  first_log: Path, second_log: Path) -> ProcessResult | None:
+        """Run the trainer with `first`, then again with `second` in the same process (only for
+        single-process trainers the fork server runs); the second run's result, or None if not
+        possible."""
+        from .forkserver import warm_target
+        target, _ = warm_target(adapter)
+        if target is None or first.is_job:
+            return None
+        stderr_path = second_log.with_name(second_log.name + ".stderr")
+        start = time.monotonic()
+        watch = Watchdog(dataclasses.replace(self.limits, stall_s=self.limits.total_s), second, second_log, [])
+        rc, overrun = self._server(adapter, target, self.identities.choose(ckpt_dir)).run(
+            target.target, list(target.argv), adapter.environment(first.env(ckpt_dir, first_log)), stderr_path,
+            watch.follow, watch=watch.problem, poll=POLL_S,
+            then_env=adapter.environment(second.env(ckpt_dir, second_log)),
+            kind=target.kind)
+        err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
+        return finish(rc, err, second, second_log, None, start, overrun, watch)
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.close()
+        self._servers.clear()
+
+
+def _attach_refused(adapter: TrainerAdapter) -> bool:
+    """Whether strace works here but cannot attach to a running process (attach.attach_problem):
+    then the warm runner, whose tracing attaches, runs every process fresh, as --runner=fresh."""
+    from ..trace.strace import strace_problem
+    from .attach import attach_problem
+    return adapter.has("syscall_crash") and strace_problem() is None and attach_problem() is not None
+
+
+def script_imports(path: str) -> list[str]:
+    """The modules a script imports at its top level: the fork server imports them once, as it
+    imports a module trainer, so a forked child does not (a failing import is left to the child)."""
+    import ast
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return list(dict.fromkeys(names))
