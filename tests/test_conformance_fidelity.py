@@ -136,6 +136,40 @@ def test_fifty_warm_ddp_jobs_that_destroy_their_group_all_exit(tmp_path):
     assert outcomes == [0] * 50, [o for o in outcomes if o != 0]
 
 
+def test_a_crash_after_the_last_step_counts_as_a_finished_run_and_is_noted(tmp_path):
+    """torch's gloo teardown can abort a correct DDP rank at interpreter exit (1 of 40 bare torchrun
+    runs of fixtures.plain_ddp_trainer): the run finished; its exit is a note, not a verdict."""
+    from conformance.model import evidence
+    from conformance.model.process import ProcessResult
+    from conformance.run.runners import crash_at_exit
+    single = RunSpec(3, 1, 0)
+    assert crash_at_exit(ProcessResult(-6, {1: 1.0, 2: 1.0, 3: 1.0}, ""), single) == "SIGABRT"
+    assert crash_at_exit(ProcessResult(-6, {1: 1.0, 2: 1.0}, ""), single) is None          # before its last step
+    assert crash_at_exit(ProcessResult(1, {1: 1.0, 2: 1.0, 3: 1.0}, ""), single) is None   # an exit code, not a crash
+    assert crash_at_exit(ProcessResult(-9, {1: 1.0, 2: 1.0, 3: 1.0}, ""), single) is None  # killed
+    job, done = RunSpec(3, 1, 0, world_size=2), {1: 1.0, 2: 1.0, 3: 1.0}
+    report = "[torchrun]   rank      : 1 (local_rank: 1)\n[torchrun]   exitcode  : -6 (pid: 27030)\n"
+    assert crash_at_exit(ProcessResult(1, done, report, rank_losses=(done, done)), job) == "SIGABRT"
+    assert crash_at_exit(ProcessResult(1, done, report, rank_losses=(done, {1: 1.0})), job) is None
+    assert crash_at_exit(ProcessResult(1, done, report.replace("-6", "1"), rank_losses=(done, done)), job) is None
+    (tmp_path / "aborts_at_exit.py").write_text(
+        "import json, os\nif __name__ == '__main__':\n"
+        "    with open(os.environ['CONFORMANCE_LOSS_LOG'], 'a') as f:\n"
+        "        f.write(json.dumps({'step': 1, 'loss': 1.0}) + '\\n')\n"
+        "    os.abort()\n")
+    adapter = TrainerAdapter(name="aborts", argv=(sys.executable, "-m", "aborts_at_exit"), pythonpath=(str(tmp_path),))
+    runner = WarmRunner()
+    (tmp_path / "ckpt").mkdir()
+    evidence.take()
+    try:
+        result = runner.run_process(adapter, RunSpec(1, 1, 0), (tmp_path / "ckpt").resolve(),
+                                    (tmp_path / "loss.jsonl").resolve())
+    finally:
+        runner.close()
+    assert (result.returncode, result.exit_crash) == (0, "SIGABRT")
+    assert any("died by SIGABRT as it exited" in e.summary() for e in evidence.take())
+
+
 # -- process identity ----------------------------------------------------------------------------------
 IDENTITY_PROBE = """
     import json, os

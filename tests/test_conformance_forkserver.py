@@ -175,3 +175,96 @@ def test_a_root_that_cannot_stand_in_for_a_fresh_interpreter_is_not_used(root, t
         assert isinstance(srv.proc, subprocess.Popen)
     finally:
         srv.close()
+
+
+def test_a_server_that_died_is_started_again_for_the_next_request(server, tmp_path):
+    rc, _ = _run(server, tmp_path)
+    assert rc == 0
+    first = server.proc.pid
+    os.kill(first, signal.SIGKILL)
+    server.proc.wait()
+    deadline = time.monotonic() + 10
+    while not server._dead and time.monotonic() < deadline:   # its reader sees the pipe close
+        time.sleep(0.01)
+    rc, out = _run(server, tmp_path)
+    assert rc == 0, out
+    assert server.proc.pid != first and server.restarts == 1
+    assert int(out.split()[1]) == server.proc.pid
+
+
+THREAD_AT_IMPORT = '''\
+import threading, time
+threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()   # a thread from the trainer's import
+
+
+def main():
+    pass
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_server_whose_trainer_starts_a_thread_at_import_refuses_to_fork(tmp_path):
+    """Forking a process with another thread copies that thread's locks as they are: the server
+    refuses, and the warm runner runs such a trainer fresh (saying why)."""
+    from conformance.model.adapters import TrainerAdapter
+    from conformance.model.process import RunSpec
+    from conformance.run.forkclient import ServerRefused
+    from conformance.run.warm import WarmRunner
+    (tmp_path / "threaded_trainer.py").write_text(THREAD_AT_IMPORT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    srv = ForkServer(["threaded_trainer"], env=env)
+    try:
+        with pytest.raises(ServerRefused, match="1 more than importing torch starts"):
+            srv.run("threaded_trainer", [], env, tmp_path / "stderr")
+    finally:
+        srv.close()
+    runner = WarmRunner()
+    adapter = TrainerAdapter(name="threaded", argv=(sys.executable, "-m", "threaded_trainer"),
+                             pythonpath=(str(tmp_path),), spec="threaded_trainer")
+    (tmp_path / "ckpt").mkdir()
+    try:
+        result = runner.run_process(adapter, RunSpec(1, 1, 0), (tmp_path / "ckpt").resolve(),
+                                    (tmp_path / "loss.jsonl").resolve())
+    finally:
+        runner.close()
+    assert result.returncode == 0, result.stderr   # run fresh instead
+    assert "more than importing torch starts" in runner.refused["threaded_trainer"]
+
+
+SAVES_AT_EXIT = '''\
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+SAVER = ThreadPoolExecutor(max_workers=1)
+
+
+def save(path):
+    import time
+    time.sleep(0.3)   # still writing when main() returns
+    with open(path, "w") as f:
+        f.write("saved")
+
+
+def main():
+    SAVER.submit(save, os.environ["SAVE_TO"])   # queued, never waited for: the interpreter's exit waits
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_child_ends_as_an_interpreter_ends_and_finishes_a_queued_save(tmp_path):
+    (tmp_path / "saves_at_exit.py").write_text(SAVES_AT_EXIT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    fresh = subprocess.run([sys.executable, "-m", "saves_at_exit"], env=dict(env, SAVE_TO=str(tmp_path / "fresh")))
+    assert fresh.returncode == 0 and (tmp_path / "fresh").read_text() == "saved"
+    srv = ForkServer(["saves_at_exit"], env=env)
+    try:
+        rc, _ = srv.run("saves_at_exit", [], dict(env, SAVE_TO=str(tmp_path / "warm")), tmp_path / "stderr")
+    finally:
+        srv.close()
+    assert rc == 0 and (tmp_path / "warm").read_text() == "saved"

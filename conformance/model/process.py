@@ -163,6 +163,7 @@ class ProcessResult:
     stopped: str = ""          # a planned stop by the suite (after a step, after a grace period)
     rank_losses: tuple[dict[int, float], ...] = ()   # per rank, for a multi-rank job
     traces: dict[int, str] = dataclasses.field(default_factory=dict)   # rank -> strace text (jobs)
+    exit_crash: str = ""       # "SIGABRT": it (every rank) logged its last step, then died by that signal
 
     @property
     def first_step(self) -> int | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec
 from . import launch, nodes
-from .guardian import Guardian
+from .guardian import guard
 from .proctree import kill_tree
 from .runners import POLL_S, Jobs, Tracing, finish, job_stderr, run_nodes, signal_group, terminal_signals
 from .watchdog import Limits, Stop, Watchdog
@@ -20,6 +20,7 @@ class SubprocessRunner(Jobs):
 
     def __init__(self, limits: Limits | None = None, jobs: launch.JobConfig | None = None):
         terminal_signals()
+        guard()   # its processes run in sessions of their own: they end with this one through the guardian
         self.limits = limits or Limits()
         self.jobs = jobs or launch.JobConfig()
 
@@ -62,7 +63,6 @@ class SubprocessRunner(Jobs):
         with open(err_path, "w+b") as err_file:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=err_file, start_new_session=True)
-            Guardian.watch(proc.pid)   # a session of its own: it would outlive the suite
             proc_box.append(proc)
             watch.follow(proc.pid)
             overrun = None
@@ -77,10 +77,7 @@ class SubprocessRunner(Jobs):
             err = err_file.read().decode(errors="replace")
         if port is not None:
             err = job_stderr(err, template, spec.world_size)
-        try:
-            return finish(proc.returncode, err, spec, loss_log, tracing, start, overrun, watch)
-        finally:
-            Guardian.release(proc.pid)
+        return finish(proc.returncode, err, spec, loss_log, tracing, start, overrun, watch)
 
     def close(self) -> None:
         pass

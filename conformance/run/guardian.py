@@ -1,79 +1,75 @@
-"""What ends the fresh interpreters the suite starts when the suite itself ends, however it ends.
+"""What ends the processes the suite starts when the suite itself ends, however it ends.
 
 A trainer process started fresh runs in a session of its own (so its whole job can be signalled
-as one), and torchrun starts each rank in yet another: neither dies with the suite's process. A
-guardian, one small process per suite process, holds the read end of a pipe only the suite
-writes to. The suite registers each process tree it starts and releases it when the run is over;
-when the pipe closes (a CI runner's SIGTERM on cancel, a SIGKILL, a crash: the kernel closes it
-for any end), the guardian kills every tree still registered and exits. It ignores the signals
-that end a process group, so a SIGTERM to the suite's whole group cannot take it first. The
-warm runner needs none of this: a fork server kills its children when its own pipe closes
-(forkserver.serve).
+as one), and torchrun starts each rank in yet another: neither dies with the suite's process. So
+each suite process that runs trainers starts a guardian first: a small process that holds the read
+end of a pipe only the suite writes to, and a mark (GUARD_VAR) the suite puts in its own
+environment, which every process it starts from then on inherits (a trainer, a rank, strace, a
+fork server and its children; what a trainer starts too). When the pipe closes (a CI runner's
+SIGTERM on cancel, a SIGKILL, a crash: the kernel closes it for any end), the guardian kills every
+process that carries the mark and exits. Nothing is registered one by one, so a process the suite
+started in the instant before it died is not missed. The guardian ignores the signals that end a
+process group, so a SIGTERM to the suite's whole group cannot take it first.
 
-    python -m conformance.run.guardian     (protocol on stdin: "+PID START" registers, "-PID" releases)
+    python -m conformance.run.guardian MARK
 """
 from __future__ import annotations
 
-import atexit
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 
-from .proctree import kill_tree, start_time
+from .proctree import sigkill
+
+GUARD_VAR = "CONFORMANCE_GUARD"
+_started = {"pid": 0}
+_lock = threading.Lock()
 
 
-class Guardian:
-    """The suite's side: one guardian per process, started on first use."""
-
-    _lock = threading.Lock()
-    _proc: subprocess.Popen | None = None
-    _owner = 0
-
-    @classmethod
-    def _pipe(cls):
-        if cls._proc is None or cls._owner != os.getpid() or cls._proc.poll() is not None:
-            cls._proc = subprocess.Popen([sys.executable, "-m", "conformance.run.guardian"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.DEVNULL, text=True, start_new_session=True)
-            cls._owner = os.getpid()
-            atexit.register(cls._proc.stdin.close)
-        return cls._proc.stdin
-
-    @classmethod
-    def _say(cls, line: str) -> None:
-        with cls._lock:
-            try:
-                pipe = cls._pipe()
-                pipe.write(line + "\n")
-                pipe.flush()
-            except OSError:
-                pass   # no guardian: the run goes on, as it would have without one
-
-    @classmethod
-    def watch(cls, pid: int) -> None:
-        """Kill the process tree under `pid` if this process ends before `release(pid)`."""
-        cls._say(f"+{pid} {start_time(pid)}")
-
-    @classmethod
-    def release(cls, pid: int) -> None:
-        cls._say(f"-{pid}")
+def guard() -> None:
+    """Start this process's guardian unless it runs: call before starting a trainer process."""
+    with _lock:
+        if _started["pid"] == os.getpid():
+            return
+        mark = f"{os.getpid()}-{secrets.token_hex(8)}"
+        os.environ[GUARD_VAR] = mark   # inherited by all this process starts from now on
+        proc = subprocess.Popen([sys.executable, "-m", "conformance.run.guardian", mark], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, start_new_session=True)
+        proc._guardian_pipe = proc.stdin   # kept open for this process's life: its end is the signal
+        _started.update(pid=os.getpid(), proc=proc)
 
 
-def main() -> None:
+def marked(mark: str) -> list[int]:
+    """The processes whose environment carries `mark` (but this one)."""
+    needle = b"\0" + f"{GUARD_VAR}={mark}".encode() + b"\0"
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in b"\0" + f.read() + b"\0":
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def main(mark: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)   # only the suite's end ends this
-    watched: dict[int, str] = {}
-    for line in sys.stdin:
-        sign, _, rest = line.strip().partition(" ")
-        if sign.startswith("+"):
-            watched[int(sign[1:])] = rest
-        elif sign.startswith("-"):
-            watched.pop(int(sign[1:]), None)
-    for pid, started in watched.items():
-        if start_time(pid) == started:   # the same process, not one that reused its pid
-            kill_tree(pid)
+    while sys.stdin.buffer.read(1 << 16):
+        pass
+    for _ in range(3):   # a process that forked while the others were killed is caught the next time
+        pids = marked(mark)
+        if not pids:
+            return
+        for pid in pids:
+            sigkill(pid)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])

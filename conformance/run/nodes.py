@@ -22,7 +22,6 @@ from pathlib import Path
 
 from ..model.process import RunSpec
 from . import launch, proctree
-from .guardian import Guardian
 from .proctree import comm, process_tree
 from .watchdog import Watchdog
 from .zygote import ZYGOTE_COMM
@@ -176,17 +175,13 @@ def fresh_agent(trainer_argv: tuple[str, ...], spec: RunSpec, env_for: Callable[
         with open(node_stderr(stderr_path, k), "wb") as err:
             proc = subprocess.Popen(argv, env=env_for(k), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                     start_new_session=True)
-            Guardian.watch(proc.pid)
             started(proc.pid)
-            try:
-                while proc.poll() is None:
-                    if should_stop():
-                        kill_tree(proc.pid)
-                        proc.wait()
-                        break
-                    time.sleep(poll)
-            finally:
-                Guardian.release(proc.pid)
+            while proc.poll() is None:
+                if should_stop():
+                    kill_tree(proc.pid)
+                    proc.wait()
+                    break
+                time.sleep(poll)
         return proc.returncode
     return run
 

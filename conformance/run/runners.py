@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import threading
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from ..model import evidence
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec, copy_checkpoint_dir, read_job_losses, read_losses
 from ..trace import recording, strace
@@ -89,7 +91,34 @@ def finish(rc: int, err: str, spec: RunSpec, loss_log: Path, tracing: Tracing | 
                            rank_losses=ranks, traces=traces)
     if overrun and not planned:
         raise ProcessOverran(overrun, result, watch.details)
+    crash = crash_at_exit(result, spec) if not overrun else None
+    if crash:
+        evidence.record(evidence.Note(
+            f"a trainer process logged its last step, then died by {crash} as it exited: its run counts as "
+            "finished (its checkpoints are judged as they are), but a scheduler marks such a job failed "
+            "(docs/running.md, \"A crash at exit\")"))
+        result = dataclasses.replace(result, returncode=0, exit_crash=crash)
     return result
+
+
+# Native crashes: what an interpreter's teardown hits (torch's gloo process group is freed then, and
+# its worker threads can abort the process: std::terminate), not a signal the suite or a scheduler sends.
+CRASH_SIGNALS = {signal.SIGABRT: "SIGABRT", signal.SIGSEGV: "SIGSEGV", signal.SIGBUS: "SIGBUS"}
+_TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def crash_at_exit(result: ProcessResult, spec: RunSpec) -> str | None:
+    """The signal's name when the process (every rank of a job) logged the last step of its run and
+    then died by a native crash (CRASH_SIGNALS); else None. A job's ranks' exit codes are read from
+    torchrun's failure report."""
+    if result.returncode == 0:
+        return None
+    curves = result.rank_losses if spec.is_job else (result.losses,)
+    if not curves or any(max(curve, default=0) < spec.total_steps for curve in curves):
+        return None
+    codes = [int(c) for c in _TORCHRUN_EXIT.findall(result.stderr)] if spec.is_job else [result.returncode]
+    names = {CRASH_SIGNALS.get(-c) for c in codes}
+    return names.pop() if codes and len(names) == 1 and None not in names else None
 
 
 def job_stderr(launcher: str, template: Path, world_size: int) -> str:

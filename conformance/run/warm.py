@@ -18,6 +18,7 @@ from ..model.process import ProcessResult, RunSpec
 from . import launch, nodes
 from .attach import RankAttacher, attach_strace
 from .fresh import SubprocessRunner
+from .guardian import guard
 from .identity import Identities, hash_seeds
 from .runners import POLL_S, Jobs, Tracing, finish, job_stderr, run_nodes, signal_group, terminal_signals
 from .watchdog import Limits, Stop, Watchdog
@@ -35,6 +36,7 @@ class WarmRunner(Jobs):
     def __init__(self, limits: Limits | None = None, jobs: launch.JobConfig | None = None):
         from .forkclient import roots
         terminal_signals()
+        guard()
         self._servers: dict = {}
         self.jobs = jobs or launch.JobConfig()
         self._fallback = SubprocessRunner(jobs=self.jobs)
