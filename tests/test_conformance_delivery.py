@@ -46,10 +46,9 @@ UNINTERRUPTED = [log(1), log(2)] + save(2) + [log(3), log(4)] + save(4)
 
 
 def fsync_of_save_4(planned: recording.RecordedRun) -> CrashPoint:
-    """The `fs:i` point of the save of step 4's fsync (i counts the targetable mutations)."""
-    return CrashPoint("fs", next(n for n, k in enumerate(planned.crash_points())
-                                 if planned.ops[planned.mutations[k]].kind == "fsync"
-                                 and planned.ops[planned.mutations[k]].save == 4))
+    """The `fs:i` point of the save of step 4's fsync (i counts the mutations)."""
+    return CrashPoint("fs", next(k for k, i in enumerate(planned.mutations)
+                                 if planned.ops[i].kind == "fsync" and planned.ops[i].save == 4))
 
 
 def test_a_step_point_lands_on_the_loss_log_whatever_else_the_process_writes():
@@ -301,8 +300,8 @@ def test_a_count_the_main_threads_log_writes_also_reach_is_not_delivered_by_coun
              f'200  write(3<{tmp}>, "a", 1) = 1', f'200  write(3<{tmp}>, "b", 1) = 1', log(2)]
     planned = recorded(lines, steps=2)
     assert ("write", 2) in planned.shared_counts
-    second = next(n for n, k in enumerate(planned.crash_points())
-                  if planned.ops[planned.mutations[k]].kind == "write" and planned.ops[planned.mutations[k]].nth == 2)
+    second = next(k for k, i in enumerate(planned.mutations)
+                  if planned.ops[i].kind == "write" and planned.ops[i].nth == 2)
     kill = plan(CrashPoint("fs", second), planned)
     with pytest.raises(CrashPointMissing, match="another thread of the rank makes its write #2 too"):
         choose_route(kill, planned, frozenset(), ROOT, LOG, job=True)

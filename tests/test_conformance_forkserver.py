@@ -217,7 +217,7 @@ def test_a_server_whose_trainer_starts_a_thread_at_import_refuses_to_fork(tmp_pa
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     srv = ForkServer(["threaded_trainer"], env=env)
     try:
-        with pytest.raises(ServerRefused, match="1 more than importing torch starts"):
+        with pytest.raises(ServerRefused, match=r"\(Thread-1 \(sleep\) in Python\), 1 more than its fork-aware library pools"):
             srv.run("threaded_trainer", [], env, tmp_path / "stderr")
     finally:
         srv.close()
@@ -231,7 +231,42 @@ def test_a_server_whose_trainer_starts_a_thread_at_import_refuses_to_fork(tmp_pa
     finally:
         runner.close()
     assert result.returncode == 0, result.stderr   # run fresh instead
-    assert "more than importing torch starts" in runner.refused["threaded_trainer"]
+    assert "more than its fork-aware library pools" in runner.refused["threaded_trainer"]
+
+
+NATIVE_THREAD_AT_IMPORT = '''\
+import ctypes
+libc = ctypes.CDLL(None)
+thread = ctypes.c_ulong()
+# A native thread that no BLAS or OpenMP runtime started (pause() as its start routine).
+assert libc.pthread_create(ctypes.byref(thread), None, ctypes.cast(libc.pause, ctypes.c_void_p), None) == 0
+'''
+POOL_AT_IMPORT = "import scipy.linalg   # loads scipy's own OpenBLAS, whose pool starts a worker per extra core\n"
+
+
+@pytest.mark.parametrize("module,refused", [("native_thread_trainer", True), ("pool_trainer", False)])
+def test_a_server_forks_beside_a_blas_pool_the_trainers_imports_start_and_not_beside_another_native_thread(
+        tmp_path, module, refused):
+    """lightning and transformers import scipy, whose OpenBLAS starts its workers at import: such
+    pools make themselves fork-safe (pthread_atfork), so the server forks beside them; a native
+    thread whose import loaded no such runtime is refused, naming the import that started it."""
+    if module == "pool_trainer":
+        pytest.importorskip("scipy.linalg")
+        if (os.cpu_count() or 1) < 2:
+            pytest.skip("OpenBLAS starts no worker on one core")
+    from conformance.run.forkclient import ServerRefused
+    (tmp_path / "native_thread_trainer.py").write_text(NATIVE_THREAD_AT_IMPORT)
+    (tmp_path / "pool_trainer.py").write_text(POOL_AT_IMPORT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    srv = ForkServer([module], env=env)
+    try:
+        if refused:
+            with pytest.raises(ServerRefused, match=f"importing {module} started 1 that no thread-pool runtime"):
+                srv.run(module, [], env, tmp_path / "stderr")
+        else:
+            assert srv.run(module, [], env, tmp_path / "stderr") == (0, None), (tmp_path / "stderr").read_text()
+    finally:
+        srv.close()
 
 
 SAVES_AT_EXIT = '''\

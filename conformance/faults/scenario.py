@@ -43,8 +43,8 @@ NODE_LOSS_ACTION = "error=EINTR:signal=STOP"
 def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
     """The kill for `point` in a process (or a job) whose uninterrupted run is `run`; None if it
     cannot be hit. `save:s/tL/i` names an operation by its save and thread (saves.locate_point);
-    `fs:i` counts targetable mutations (of the point's rank) and wraps around, so every drawn
-    index names one."""
+    `fs:i` names the rank's mutation i, or the first hittable one after it, wrapping around
+    (RecordedRun.fs_target), so every drawn index names one."""
     try:
         view = run.rank_view(point.on_rank)
     except KeyError:
@@ -65,10 +65,9 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
         if k is None:
             return None
     else:
-        points = view.crash_points()
-        if not points:
+        k = view.fs_target(point.index)
+        if k is None:
             return None
-        k = points[point.index % len(points)]
     op = view.ops[view.mutations[k]]
     save = view.in_progress(op.index)
     own = view.committed_before(op.index)
@@ -83,7 +82,8 @@ def what_is_there(run: recording.RecordedRun, point: CrashPoint) -> str:
         return f"no rank {point.on_rank}"
     view = run.rank_view(point.on_rank)
     if point.kind != "save":
-        return f"{len(view.crash_points())} targetable filesystem operations"
+        return (f"{len(view.mutations)} filesystem operations under the checkpoint directory, "
+                f"{len(view.crash_points())} of them hittable by a kill by count")
     lane = view.thread_ops(point.index, point.thread, point.on_rank)
     thread = f"background thread {point.thread}" if point.thread else "its logging thread"
     if point.op <= len(lane):

@@ -18,10 +18,10 @@ class CrashPoint:
     of step s on its logging thread (on its background thread L, numbered in order of appearance
     within that save; saves.py says which save and thread an operation belongs to). The name does
     not depend on how threads interleave, so it replays the same operation in every run.
-    `fs:i`: kill on entry to the i-th targetable filesystem mutation under the checkpoint
-    directory (0-based, in the process's own uninterrupted trace, in the order the calls were
-    entered; it wraps around): for operations outside any save and for processes whose trace is
-    not known in advance. `@rN`: in a multi-rank job, the point is rank N's (its own steps, its
+    `fs:i`: kill on entry to the i-th filesystem mutation under the checkpoint directory (0-based,
+    in the process's own uninterrupted trace, in the order the calls were entered; it wraps
+    around), or the first one after it that a kill by count can hit exactly: for operations
+    outside any save and for processes whose trace is not known in advance. `@rN`: in a multi-rank job, the point is rank N's (its own steps, its
     own mutations); torchrun then stops the other ranks. `@nodeK`: a node point, in a job of
     several nodes: at that step or operation of node K's first rank, node K is lost whole (its
     agent and all its ranks stop at once, as in a power or network loss of one machine); the
@@ -29,7 +29,7 @@ class CrashPoint:
     (`bound`), so the text names the node only and replays on any job of that shape."""
 
     kind: str
-    index: int                 # step k; fs ordinal i; the save's step s
+    index: int                 # step k; fs mutation i; the save's step s
     rank: int | None = None
     op: int = 0                # save points: the operation's 1-based position on its thread in that save
     thread: int = 0            # save points: 0 the logging thread, L the save's L-th other thread

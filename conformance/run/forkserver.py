@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from ..model.adapters import TrainerAdapter
 from .forked import SpareChild
 from .proctree import kill_tree, sigkill
-from .warmup import LIBRARY_THREADS, huge_page_tunables, thread_count, warm_up
+from .warmup import LIBRARY_THREADS, UNEXPLAINED_THREADS, huge_page_tunables, thread_count, warm_up
 from .zygote import drain, exited_children
 
 
@@ -109,16 +109,18 @@ class NotForkable(RuntimeError):
 
 def fork_problem() -> str | None:
     """Why this process must not fork now, or None: a fork copies every lock as it is at that
-    instant, including those another thread holds, so the server forks only with the threads that
-    importing torch started (warmup.LIBRARY_THREADS: fork-safe library workers) and no Python
-    thread but its own."""
-    threads, allowed = thread_count(), max(LIBRARY_THREADS, default=1)
+    instant, including those another thread holds, so the server forks only with the threads of
+    fork-aware pools (warmup.LIBRARY_THREADS: importing torch, and BLAS or OpenMP runtimes the
+    trainer's imports loaded) and no Python thread but its own."""
+    threads, allowed = thread_count(), sum(LIBRARY_THREADS) or 1
     python = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if threads <= allowed and not python:
         return None
     started = f" ({', '.join(sorted(python))} in Python)" if python else ""
-    return (f"the fork server runs {threads} threads{started}, {threads - allowed} more than importing torch starts, "
-            "so forking it is unsafe: something the trainer's module imports starts a thread at import")
+    who = "".join(f"; importing {m} started {n} that no thread-pool runtime accounts for"
+                  for m, n in UNEXPLAINED_THREADS)
+    return (f"the fork server runs {threads} threads{started}, {threads - allowed} more than its fork-aware "
+            f"library pools{who}, so forking it is unsafe")
 
 
 def serve(preload: list[str], later: list[str] = ()) -> None:

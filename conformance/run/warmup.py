@@ -25,14 +25,39 @@ from .deferred import Deferred
 LAZY_IMPORTS = ("torch._dynamo", "torch.profiler._cupti_monitor", "torch.utils.serialization")
 # What this process loaded ahead of its trainer and keeps out of sight (inherited by its children).
 DEFERRED = Deferred()
-# The threads this process has once torch is imported: the BLAS library's workers (numpy's
-# OpenBLAS starts one per extra core), which make themselves fork-safe (pthread_atfork). A thread
-# beyond these (a Python thread, or one the trainer's imports start) makes forking unsafe.
+# The threads this process may fork with: those it has once torch is imported, plus those a
+# preloaded module's import started while it loaded a BLAS or OpenMP runtime (numpy's OpenBLAS
+# starts one worker per extra core, scipy's its own, lightning and transformers import scipy). These
+# runtimes make their pools fork-safe themselves (pthread_atfork handlers). A thread beyond these (a
+# Python thread, or a native one whose import loaded no such runtime) makes forking unsafe.
 LIBRARY_THREADS: list[int] = []
+# Shared objects whose thread pools are fork-aware, by name.
+FORK_AWARE_POOLS = ("openblas", "libgomp", "libiomp", "libomp", "libmkl", "libblis")
+# Why a preloaded module's threads were not taken as a pool's: (module, threads it started).
+UNEXPLAINED_THREADS: list[tuple[str, int]] = []
 
 
 def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+def mapped_objects() -> set[str]:
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if ".so" in line and line.split()[-1].startswith("/")}
+
+
+def import_counting_threads(module: str) -> None:
+    """Import `module`; the threads its import starts are allowed where it loaded a fork-aware
+    pool runtime (LIBRARY_THREADS), and recorded as unexplained otherwise."""
+    threads, objects = thread_count(), mapped_objects()
+    importlib.import_module(module)
+    started = thread_count() - threads
+    if started <= 0:
+        return
+    if any(pool in os.path.basename(so) for so in mapped_objects() - objects for pool in FORK_AWARE_POOLS):
+        LIBRARY_THREADS.append(started)
+    else:
+        UNEXPLAINED_THREADS.append((module, started))
 
 # torch.manual_seed (and set_rng_state) queue each lazy device's seed with
 # traceback.format_stack(), which reads every file on the stack through linecache, and checks each
@@ -55,7 +80,7 @@ def warm_up(preload: list[str], later: list[str] = ()) -> None:
     sys.dont_write_bytecode = False
     for module in preload:
         try:
-            importlib.import_module(module)
+            import_counting_threads(module)
         except Exception as exc:  # a module that cannot be preloaded is simply imported per child
             print(f"forkserver: cannot preload {module}: {exc!r}", file=sys.stderr)
     DEFERRED.load([*LAZY_IMPORTS, *later], lambda problem: print(f"forkserver: {problem}", file=sys.stderr))

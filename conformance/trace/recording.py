@@ -87,6 +87,18 @@ class RecordedRun:
         """Positions (into `mutations`) that a syscall-level injection can hit exactly."""
         return [k for k, i in enumerate(self.mutations) if self.ops[i].targetable]
 
+    def fs_target(self, i: int) -> int | None:
+        """The mutation (its position in `mutations`) that `fs:i` names: mutation i, wrapping
+        around, or the first one after it that an injection can hit; None if none can be hit.
+        Counted over all mutations, not over the hittable ones, because which ones a kill by count
+        can hit depends on one-time work of the process (a library's lazy probe adds a write to a
+        thread's count), so an ordinal among them would name another operation in a process that
+        did that work earlier, while the mutations themselves are the trainer's."""
+        if not self.mutations:
+            return None
+        n = len(self.mutations)
+        return next((k % n for k in range(i % n, i % n + n) if self.ops[self.mutations[k % n]].targetable), None)
+
     @functools.cached_property
     def _windows(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}

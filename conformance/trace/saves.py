@@ -110,11 +110,11 @@ def surely_committed_by(windows: dict[int, list[int]], ops, save_every: int, tot
 def name_point(run: RecordedRun, k: int, rank: int | None = None) -> CrashPoint:
     """The crash point at mutation `k` of `run` (a process's or a rank's own run), named by its
     save and thread (`save:s/tL/i`) so that a replay finds the same operation however threads
-    interleave; an operation outside any save by its ordinal among the targetable ones (`fs:n`)."""
+    interleave; an operation outside any save by its position among the mutations (`fs:k`)."""
     i = run.mutations[k]
     op = run.ops[i]
     if not op.save:
-        return CrashPoint("fs", run.crash_points().index(k), rank)
+        return CrashPoint("fs", k, rank)
     return CrashPoint("save", op.save, rank, op=run.position_in_save(i), thread=op.lane)
 
 
