@@ -19,14 +19,14 @@ class CrashPoint:
     within that save; saves.py says which save and thread an operation belongs to). The name does
     not depend on how threads interleave, so it replays the same operation in every run.
     `fs:i`: kill on entry to the i-th filesystem mutation under the checkpoint directory (0-based,
-    in the process's own uninterrupted trace, in the order the calls were entered; it wraps
-    around), or the first one after it that a kill by count can hit exactly: for operations
-    outside any save and for processes whose trace is not known in advance. `@rN`: in a multi-rank job, the point is rank N's (its own steps, its
-    own mutations); torchrun then stops the other ranks. `@nodeK`: a node point, in a job of
-    several nodes: at that step or operation of node K's first rank, node K is lost whole (its
-    agent and all its ranks stop at once, as in a power or network loss of one machine); the
-    other nodes notice at their next collective. Its rank is bound from the job's shape
-    (`bound`), so the text names the node only and replays on any job of that shape."""
+    in the process's own uninterrupted trace, in the order the calls were entered; it wraps around),
+    or the first one after it that a kill by count can hit exactly: for operations outside any save
+    and for processes whose trace is not known in advance. `@rN`: in a multi-rank job, the point is
+    rank N's (its own steps, its own mutations); torchrun then stops the other ranks. `@nodeK`: a
+    node point, in a job of several nodes: at that step or operation of node K's first rank, node K
+    is lost whole (its agent and all its ranks stop at once, as in a power or network loss of one
+    machine); the other nodes notice at their next collective. Its rank is bound from the job's
+    shape (`bound`), so the text names the node only and replays on any job of that shape."""
 
     kind: str
     index: int                 # step k; fs mutation i; the save's step s
