@@ -152,6 +152,11 @@ def test_a_crash_after_the_last_step_counts_as_a_finished_run_and_is_noted(tmp_p
     assert crash_at_exit(ProcessResult(1, done, report, rank_losses=(done, done)), job) == "SIGABRT"
     assert crash_at_exit(ProcessResult(1, done, report, rank_losses=(done, {1: 1.0})), job) is None
     assert crash_at_exit(ProcessResult(1, done, report.replace("-6", "1"), rank_losses=(done, done)), job) is None
+    # torchrun ends the ranks still exiting when one crashed (SIGTERM): measured in a soak, the fresh
+    # second run of fixtures.plain_ddp_trainer, rank 0 SIGABRT at exit, rank 1 -15.
+    terminated = "[torchrun]   exitcode  : -15 (pid: 27621)\n" + report
+    assert crash_at_exit(ProcessResult(1, done, terminated, rank_losses=(done, done)), job) == "SIGABRT"
+    assert crash_at_exit(ProcessResult(1, done, terminated.replace("-6", "-15"), rank_losses=(done, done)), job) is None
     (tmp_path / "aborts_at_exit.py").write_text(
         "import json, os\nif __name__ == '__main__':\n"
         "    with open(os.environ['CONFORMANCE_LOSS_LOG'], 'a') as f:\n"

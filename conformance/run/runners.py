@@ -110,14 +110,15 @@ _TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 def crash_at_exit(result: ProcessResult, spec: RunSpec) -> str | None:
     """The signal's name when the process (every rank of a job) logged the last step of its run and
     then died by a native crash (CRASH_SIGNALS); else None. A job's ranks' exit codes are read from
-    torchrun's failure report."""
+    torchrun's failure report, where the ranks still exiting when one crashed show torchrun's own
+    SIGTERM (-15): at least one crashed, and none failed otherwise."""
     if result.returncode == 0:
         return None
     curves = result.rank_losses if spec.is_job else (result.losses,)
     if not curves or any(max(curve, default=0) < spec.total_steps for curve in curves):
         return None
     codes = [int(c) for c in _TORCHRUN_EXIT.findall(result.stderr)] if spec.is_job else [result.returncode]
-    names = {CRASH_SIGNALS.get(-c) for c in codes}
+    names = {CRASH_SIGNALS.get(-c) for c in codes if not (spec.is_job and c == -signal.SIGTERM)}
     return names.pop() if codes and len(names) == 1 and None not in names else None
 
 
