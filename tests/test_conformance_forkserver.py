@@ -303,3 +303,51 @@ def test_a_child_ends_as_an_interpreter_ends_and_finishes_a_queued_save(tmp_path
     finally:
         srv.close()
     assert rc == 0 and (tmp_path / "warm").read_text() == "saved"
+
+
+SHARED_AT_IMPORT = '''\
+import tempfile
+
+# Made when a library is imported, so in a warm run by the fork server: one directory for all its children.
+SHARED = tempfile.TemporaryDirectory(prefix="shared-at-import-")
+'''
+FINALIZERS = '''\
+import os, pathlib, weakref
+
+import shared_at_import
+
+
+class Own:
+    pass
+
+
+def main():
+    mine = Own()
+    weakref.finalize(mine, pathlib.Path(os.environ["MARK"]).write_text, "child's own finalizer ran")
+    pathlib.Path(os.environ["SHARED_NAME"]).write_text(shared_at_import.SHARED.name)
+    globals()["KEEP"] = mine   # alive until exit: the finalizer runs then
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_child_runs_its_own_finalizers_at_exit_and_not_the_servers(tmp_path):
+    """A temporary directory a library makes at import is the server's in a warm run: a child
+    running the server's finalizers at exit would delete it under the server and its later
+    children. The child's own finalizers run, as a fresh interpreter's do."""
+    (tmp_path / "finalizers_trainer.py").write_text(FINALIZERS)
+    (tmp_path / "shared_at_import.py").write_text(SHARED_AT_IMPORT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    srv = ForkServer(["finalizers_trainer"], env=env)
+    try:
+        for k in range(2):
+            mark, name = tmp_path / f"mark{k}", tmp_path / f"shared{k}"
+            rc, _ = srv.run("finalizers_trainer", [], dict(env, MARK=str(mark), SHARED_NAME=str(name)),
+                            tmp_path / "stderr")
+            assert rc == 0, (tmp_path / "stderr").read_text()
+            assert mark.read_text() == "child's own finalizer ran"
+            assert os.path.isdir(name.read_text()), f"child {k} found the server's directory deleted"
+    finally:
+        srv.close()

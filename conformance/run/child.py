@@ -83,6 +83,18 @@ def run_target(module: str, argv: list[str], env: dict[str, str], kind: str = "m
     return code
 
 
+def forget_parents_finalizers() -> None:
+    """Keep the `weakref.finalize` callbacks this process inherited from its fork server from
+    running at its exit: they belong to the server's objects (torch.library's registrations, whose
+    removal at exit is module teardown a trainer never observes, and nearly all of what the
+    interpreter-like exit took; a temporary directory a library made at import, which the first
+    child to exit would delete under the server and every later child). Those the child makes
+    itself run at its exit, as in a fresh interpreter."""
+    import weakref
+    for finalizer in list(getattr(weakref.finalize, "_registry", {})):
+        finalizer.atexit = False
+
+
 def exit_like_interpreter(code: int):
     """End this process as a fresh interpreter ends once its main module is done, less the
     teardown of its modules (seconds for torch's, and nothing a trainer observes): wait for its

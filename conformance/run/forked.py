@@ -8,7 +8,7 @@ import os
 import signal
 
 from .attach import allow_tracer
-from .child import exit_like_interpreter, run_target
+from .child import exit_like_interpreter, forget_parents_finalizers, run_target
 from .zygote import die_with_parent
 
 
@@ -60,6 +60,7 @@ class SpareChild:
         pid = os.fork()
         if pid == 0:
             die_with_parent(server)   # a trainer process never outlives its server
+            forget_parents_finalizers()
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for fd in (w, ack_r, *inherited):
