@@ -241,7 +241,8 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
             warm_all, ranks_all = interleaved_trials(single, ranks, repeats)
             ranks.close()
             nodes = TrialTimer("warm", tmp_path, multinode=True)
-            bare = BarePairTimer(tmp_path, nodes.point.index if nodes.point.kind != "fs" else 6)
+            middle_save = nodes.spec.save_every * max(1, nodes.spec.total_steps // nodes.spec.save_every // 2)
+            bare = BarePairTimer(tmp_path, nodes.point.index if nodes.point.kind != "fs" else middle_save)
             bare_all, nodes_all = interleaved_trials(bare, nodes, repeats)
             point, ranks_point, nodes_point = str(single.point), str(ranks.point), str(nodes.point)
         finally:
