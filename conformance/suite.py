@@ -17,6 +17,7 @@ from typing import ClassVar
 import pytest
 from hypothesis import given, note, reject, seed, settings
 from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure
 
 from .checks import CHECKS, Check, Session, skip_reason
 from .checks.failures import CheckNotApplicable, ConformanceFailure
@@ -195,6 +196,27 @@ def _run_confirmed(drawn, check: Check, self, request, session: Session, param: 
         drawn(self, request, session, *([param] if check.params else []))
     except CheckFailed as failed:
         _confirmed(request, session, check, param, failed)
+    except FlakyFailure as flaky:
+        failed = first_check_failure(flaky)
+        if failed is None:   # the suite's own error that did not repeat: Hypothesis's report says it all
+            raise
+        failed.msg += ("\n  not repeated: Hypothesis ran this case again in the same runner and it passed (a "
+                       "verdict that changes from run to run: a race in the trainer, or in the suite)")
+        _confirmed(request, session, check, param, failed)
+
+
+def first_check_failure(flaky: FlakyFailure) -> CheckFailed | None:
+    """The check's failure Hypothesis saw first in `flaky` (it wraps a pytest outcome, which is a
+    BaseException, in an exception of its own), or None when the group holds none."""
+    for exc in flaky.exceptions:
+        for candidate in (exc, exc.__cause__):
+            if isinstance(candidate, CheckFailed):
+                return candidate
+            if isinstance(candidate, FlakyFailure):
+                inner = first_check_failure(candidate)
+                if inner is not None:
+                    return inner
+    return None
 
 
 for _check in CHECKS:

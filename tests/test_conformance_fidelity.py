@@ -296,6 +296,34 @@ def test_a_failure_a_fresh_interpreter_repeats_is_reported_as_confirmed(run_suit
     assert "RUNNER DISAGREEMENT" not in out
 
 
+def test_a_failure_hypothesis_cannot_repeat_goes_to_the_fresh_confirmation_with_its_own_message(monkeypatch):
+    """Hypothesis replays a failing case before it reports it; when the replay passes it raises
+    FlakyFailure around the check's failure (a pytest outcome, so wrapped). The check's message
+    must still reach the report, and the fresh-interpreter confirmation decide it."""
+    from types import SimpleNamespace
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from conformance import suite
+
+    calls, confirmed = [], []
+
+    @settings(database=None, max_examples=1, deadline=None)
+    @given(st.integers(0, 3))
+    def drawn(self, request, session, n):
+        calls.append(n)
+        if len(calls) == 1:
+            raise suite.CheckFailed("interrupt: the trainer was still running 5 s after SIGINT", None, None, None)
+
+    monkeypatch.setattr(suite, "_confirmed", lambda request, session, check, param, failed: confirmed.append(failed))
+    suite._run_confirmed(drawn, SimpleNamespace(params=()), None, None, None, None)
+    assert len(calls) >= 2 and len(confirmed) == 1, (calls, confirmed)
+    message = confirmed[0].msg
+    assert message.startswith("interrupt: the trainer was still running 5 s after SIGINT"), message
+    assert "not repeated: Hypothesis ran this case again in the same runner and it passed" in message, message
+
+
 # -- where ptrace is restricted ----------------------------------------------------------------------
 REFUSING_STRACE = """#!/bin/sh
 # strace that refuses to attach to a running process, as under Yama's ptrace_scope=2 or without

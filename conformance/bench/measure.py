@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -148,7 +149,9 @@ class BarePairTimer:
         return seconds
 
     def close(self) -> None:
-        pass
+        """The jobs' checkpoints and logs: up to `repeats` 4-rank runs' worth, freed as soon as
+        the pair's timings are taken."""
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def trial_seconds(runner_kind: str, repeats: int, workdir: Path, *, script: bool = False,
@@ -235,7 +238,7 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         load_before = os.getloadavg()[0]
         import_s, import_all = bare_import_seconds(repeats)
         # The single-process and the 2-rank warm trials alternate, and their ratio is judged per pair.
-        single, ranks, nodes = TrialTimer("warm", tmp_path), None, None
+        single, ranks, nodes, bare = TrialTimer("warm", tmp_path), None, None, None
         try:
             ranks = TrialTimer("warm", tmp_path, multirank=True)
             warm_all, ranks_all = interleaved_trials(single, ranks, repeats)
@@ -247,7 +250,7 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
             point, ranks_point, nodes_point = str(single.point), str(ranks.point), str(nodes.point)
         finally:
             single.close()
-            for timer in (ranks, nodes):
+            for timer in (ranks, nodes, bare):
                 if timer is not None:
                     timer.close()
         warm_s, ranks_s = statistics.median(warm_all), statistics.median(ranks_all)

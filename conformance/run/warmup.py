@@ -42,8 +42,11 @@ def thread_count() -> int:
 
 
 def mapped_objects() -> set[str]:
+    """The shared objects this process has mapped, by path (a line's last field; anonymous
+    mappings have none, or a bracketed name)."""
     with open("/proc/self/maps") as maps:
-        return {line.split()[-1] for line in maps if ".so" in line and line.split()[-1].startswith("/")}
+        last = (line.rsplit(None, 1)[-1] for line in maps)
+        return {path for path in last if path.startswith("/") and ".so" in path}
 
 
 def import_counting_threads(module: str) -> None:
