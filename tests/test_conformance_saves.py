@@ -192,3 +192,43 @@ def test_an_fs_point_names_the_same_operation_when_another_process_takes_the_fir
     # A mutation that this process cannot hit names the next one it can.
     write = next(k for k, i in enumerate(b.mutations) if b.ops[i].kind == "write")
     assert plan(CrashPoint("fs", write), a).text.startswith("write") and plan(CrashPoint("fs", write), b).text.startswith("fsync")
+
+
+def test_a_rank_killed_as_it_logs_a_save_step_that_rank_0_alone_writes_allows_that_save():
+    """A replicated-state job (rank 0 writes every checkpoint, then a barrier): rank 1 killed on
+    entry to logging step 6 had trained step 6, so rank 0 may log it and commit ckpt-6 before it
+    next waits for rank 1 (the soak found this resume called lost work). A save rank 1 writes part of
+    is not allowed before rank 1 finished its part."""
+    from conformance.faults.scenario import plan
+    from conformance.model.crash import CrashPoint
+    spec = RunSpec(6, 3, 0, world_size=2)
+
+    def rank_lines(rank: int, writes: bool) -> list[str]:
+        tid, lines, t = 100 + rank, [], 1000.0 + rank * 0.01
+        logname = f"/other/loss.jsonl.rank{rank}"
+        for step in range(1, 7):
+            t += 1
+            lines.append(f'{tid} {t:.6f} write(7<{logname}>, "{{\\"step\\": {step}, \\"loss\\": 0.5}}\\n", 27) = 27')
+            if step % 3 == 0 and writes:
+                tmp = f"/ck/.ckpt-{step}.pt.tmp"
+                lines += [f'{tid} {t + 0.1:.6f} openat(AT_FDCWD</run>, "{tmp}", O_WRONLY|O_CREAT|O_EXCL, 0600) = 3<{tmp}>',
+                          f'{tid} {t + 0.2:.6f} write(3<{tmp}>, "w{step}", 2) = 2',
+                          f'{tid} {t + 0.3:.6f} fsync(3<{tmp}>) = 0',
+                          f'{tid} {t + 0.4:.6f} rename("{tmp}", "/ck/ckpt-{step}.pt") = 0']
+        return lines
+
+    def job(rank1_writes: bool) -> recording.RecordedRun:
+        views = {}
+        for rank in (0, 1):
+            own = ProcessResult(0, {s: 0.5 for s in range(1, 7)}, "")
+            views[rank] = recording.build(strace.parse("\n".join(rank_lines(rank, rank == 0 or rank1_writes)) + "\n"),
+                                          spec, own, ROOT, Path(f"/other/loss.jsonl.rank{rank}"), rank=rank)
+        return recording.merge(views, spec, ProcessResult(0, {}, ""), ROOT, frozenset())
+
+    replicated = job(rank1_writes=False)
+    assert replicated.saves() == [3, 6] and not replicated.rank_view(1).saves()
+    kill = plan(CrashPoint("step", 5, rank=1), replicated)   # rank 1, on entry to logging step 6
+    assert kill.newest_committed == 3 and kill.allowed_resumes() == {3, 6}, kill
+    assert plan(CrashPoint("step", 4, rank=1), replicated).allowed_resumes() == {3}   # step 5: no save
+    sharded = job(rank1_writes=True)
+    assert plan(CrashPoint("step", 5, rank=1), sharded).allowed_resumes() == {3}   # rank 1's part of save 6 not written

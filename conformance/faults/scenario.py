@@ -10,7 +10,8 @@ In a multi-rank job a point names a rank: the kill is planned on that rank's own
 rank is traced; torchrun then stops the others. What "committed before the kill" means spans the
 ranks: a save every rank finished before that moment. The other ranks run on until they notice
 (at their next collective), so a save the killed rank had finished its part of may still be
-committed after the kill: `newest_possible`.
+committed after the kill: `newest_possible`. So may the save of the step a rank was killed logging,
+when the killed rank writes nothing of it (`others_may_save`).
 
 A node point (`@nodeK`, a job of several nodes) is planned and proven like a point of node K's
 first rank, but that rank is frozen there instead of killed (strace skips the call and delivers
@@ -59,7 +60,7 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
         newest = run.committed_at(log.ts) if run.is_job else own
         flying = view.in_flight_by_step(point.index)   # it may commit before the kill, or not
         return PlannedKill(point, log.name, log.nth, f"{who}logging step {point.index + 1}", before, newest, flying,
-                           max(own, newest, flying or 0))
+                           max(own, newest, flying or 0, others_may_save(run, point.on_rank, point.index + 1)))
     if point.kind == "save":
         k = saves.locate_point(view, point)
         if k is None:
@@ -74,6 +75,16 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
     newest = run.committed_before(run.merged_index(op.rank, op.index)) if run.is_job else own
     where = f"{who}{view.role(op.index)}: {op.describe()}"
     return PlannedKill(point, op.syscall, op.nth, where, k, newest, save, max(own, newest, save or 0))
+
+
+def others_may_save(run: recording.RecordedRun, rank: int, step: int) -> int:
+    """In a job whose rank `rank` is killed as it logs step `step`: `step`, if that step has a
+    save in which the killed rank writes nothing (replicated state that rank 0 alone writes),
+    else 0. The killed rank had trained that step, so the others hold its whole state and may
+    commit the save before they next wait for the killed rank."""
+    if not run.is_job or step not in run.windows():
+        return 0
+    return 0 if step in run.rank_view(rank).windows() else step
 
 
 def what_is_there(run: recording.RecordedRun, point: CrashPoint) -> str:
