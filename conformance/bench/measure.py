@@ -102,6 +102,8 @@ class TrialTimer:
             self.point = first_in_save_point(baseline.rank_view(rank or 0), rank)
             if multinode:
                 self.point = dataclasses.replace(self.point, node=1)
+            from ..faults.scenario import plan
+            self.save_step = plan(self.point, baseline).in_progress   # the save the point is inside
             self.once()   # warm-up: the fork server's imports are paid once
         except BaseException:
             self.session.close()
@@ -244,8 +246,7 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
             warm_all, ranks_all = interleaved_trials(single, ranks, repeats)
             ranks.close()
             nodes = TrialTimer("warm", tmp_path, multinode=True)
-            middle_save = nodes.spec.save_every * max(1, nodes.spec.total_steps // nodes.spec.save_every // 2)
-            bare = BarePairTimer(tmp_path, nodes.point.index if nodes.point.kind != "fs" else middle_save)
+            bare = BarePairTimer(tmp_path, nodes.save_step)
             bare_all, nodes_all = interleaved_trials(bare, nodes, repeats)
             point, ranks_point, nodes_point = str(single.point), str(ranks.point), str(nodes.point)
         finally:
