@@ -86,7 +86,7 @@ def compound_faults(session: Session, check: str, spec: RunSpec, param: str, bef
     evidence.record(evidence.Fault(check=check, point=f"op #{before}", planned=run.role(before),
                                    fault=f"{fault}, then step {state.damaged} damaged", first_exit=-9,
                                    went_on=False, resumed_from=r, final_exit=result.returncode))
-    problem = judge(state, result.returncode, result.losses, r, run.losses, session.tol, probe.total_steps,
+    problem = judge(state, result.returncode, result.losses, r, run.losses, session.tolerance(spec), probe.total_steps,
                     lambda step, losses: session.same_as_plain_resume(spec, step, losses))
     if problem:
         raise session.fail(check, spec, problem, details=where + "  stderr:\n" + stderr_tail(result.stderr),

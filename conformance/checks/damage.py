@@ -127,7 +127,7 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
         first = failures[0]
         others = "".join(f"\n    {o.what}: {o.problem}" for o in failures[1:6])
         plot = ""
-        if first.result.returncode == 0 and loss_mismatches(base.losses, first.result.losses, session.tol):
+        if first.result.returncode == 0 and loss_mismatches(base.losses, first.result.losses, session.tolerance(spec)):
             plot = "\n" + plot_mismatch(session, check, spec, extra=kind,
                                         resumed=[(f"resumed after {kind} of {Path(first.file).name}",
                                                   first.result.losses)],
@@ -161,7 +161,7 @@ def judge(session: Session, spec: RunSpec, result: ProcessResult, stop: int, pre
         return None, ""
     base = session.baseline(spec)
     r = result.resumed_from(spec)
-    rows = loss_mismatches(base.losses, result.losses, session.tol)
+    rows = loss_mismatches(base.losses, result.losses, session.tolerance(spec))
     if rows and r > 0 and session.same_as_plain_resume(spec, r, result.losses):
         # The trainer resumed from step r exactly as from an undamaged checkpoint: the damage changed
         # nothing it used. (Its divergence is a resume_matches_baseline problem.)

@@ -104,13 +104,14 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
     """The likely cause of `resumed` (a process that resumed from step `resumed_from`) differing
     from the baseline."""
     base = session.baseline(spec).losses
+    tol = session.tolerance(spec).value
     ref = _reference(session, spec)
-    if ref is None or loss_mismatches(base, ref, session.tol):
+    if ref is None or loss_mismatches(base, ref, tol):
         return Diagnosis("cannot tell", ("an uninterrupted run that saves at every step does not reproduce the "
                                          "baseline, so stop-and-resume experiments have no reference",))
     evidence = []
     sweep = _sweep(session, spec, ref)
-    diverging_stop = next((k for k, r in sweep.items() if r is not None and loss_mismatches(ref, r.stopped, session.tol)),
+    diverging_stop = next((k for k, r in sweep.items() if r is not None and loss_mismatches(ref, r.stopped, tol)),
                           None)
     if diverging_stop is not None:
         return Diagnosis("cannot tell: stop-and-resume experiments do not apply to this trainer",
@@ -124,7 +125,7 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
                          (f"stopped after saving step {k}, the next process logged step {got} first"
                           + (f" (and {len(wrong_start) - 1} more resume points like it)" if len(wrong_start) > 1
                              else ""),))
-    ran = {k: not loss_mismatches(ref, r.losses, session.tol) for k, r in sweep.items() if r is not None}
+    ran = {k: not loss_mismatches(ref, r.losses, tol) for k, r in sweep.items() if r is not None}
     matching = sorted(k for k, ok in ran.items() if ok)
     failing = sorted(k for k, ok in ran.items() if not ok)
     if ran:
@@ -136,21 +137,21 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
         same = _stop_and_resume(session, spec, r, spec.seed)
         other = _stop_and_resume(session, spec, r, spec.seed + 1)
         if same is not None and other is not None:
-            seed_dependent = bool(loss_mismatches(same.losses, other.losses, session.tol))
+            seed_dependent = bool(loss_mismatches(same.losses, other.losses, tol))
             evidence.append(f"resumed from step {r} with CONFORMANCE_SEED={spec.seed + 1} instead of {spec.seed}: "
                             + ("the losses change, so an RNG is re-seeded from the seed instead of restored"
                                if seed_dependent else "the losses do not change"))
     first = min(resumed, default=None)
     first_differs = None
     if first is not None and first in base:
-        first_differs = not abs(resumed[first] - base[first]) <= session.tol
+        first_differs = not abs(resumed[first] - base[first]) <= tol
         evidence.append(f"the first resumed step ({first}) " + ("already differs" if first_differs else
                                                                 "matches; later steps differ"))
     outside = None
     if r and warm_target(session.adapter)[0] is not None and failing:
         together = _stop_and_resume(session, spec, r, spec.seed, same_process=True)
         if together is not None:
-            outside = not loss_mismatches(ref, together.losses, session.tol) and r in failing
+            outside = not loss_mismatches(ref, together.losses, tol) and r in failing
             evidence.append(f"saved and resumed from step {r} within one process: "
                             + ("matches, while a new process does not" if outside else "differs as well"))
     period = _period(matching, spec.total_steps)

@@ -76,7 +76,7 @@ def elastic_restart(session: Session, check: str, spec: RunSpec, _param, point: 
         raise fail(f"the restarted workers resumed from step {r}, a checkpoint not every rank had finished before "
                    f"the kill (complete then: step {kill.newest_committed})")
     again = ProcessResult(job.returncode, {}, job.stderr, rank_losses=restarted)
-    bad = rank_mismatches(base.result, again, session.tol)
+    bad = rank_mismatches(base.result, again, session.tolerance(spec))
     if bad and r > 0 and session.same_as_plain_resume(spec, r, mean_curve(restarted)):
         evidence.record(evidence.Note(f"the restarted curve from step {r} diverges exactly as a plain resume from "
                                       "that checkpoint does: a resume problem (resume_matches_baseline's), not the "

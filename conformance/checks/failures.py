@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import shlex
 
+from ..model import evidence
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec
+from .tolerance import Tolerance
 
 
 class ConformanceFailure(AssertionError):
@@ -22,22 +24,36 @@ class CheckNotApplicable(Exception):
     skips with the message as its reason, as for a missing capability."""
 
 
-def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: float
-                    ) -> list[tuple[int, float | None, float, float]]:
-    """(step, baseline, resumed, |difference|) for every resumed step outside tolerance."""
-    bad = []
+class Mismatches(list):
+    """loss_mismatches' rows, with the tolerance they were found against (format_mismatches says
+    what a difference means for an exact trainer)."""
+
+    tolerance: Tolerance | None = None
+
+
+def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: float | Tolerance) -> Mismatches:
+    """(step, baseline, resumed, |difference|) for every resumed step outside tolerance. A verdict's
+    comparison passes a Tolerance (session.tolerance): it is recorded as the test's evidence; a bare
+    number is an experiment's comparison, not recorded."""
+    bad = Mismatches()
+    worst, bound = None, tol.value if isinstance(tol, Tolerance) else tol
     for step in sorted(resumed):
         expected = baseline.get(step)
         if expected is None:
             bad.append((step, None, resumed[step], float("inf")))
             continue
         diff = abs(resumed[step] - expected)
-        if not diff <= tol:  # NaN counts as a mismatch
+        worst = diff if worst is None or not diff <= worst else worst
+        if not diff <= bound:  # NaN counts as a mismatch
             bad.append((step, expected, resumed[step], diff))
+    if isinstance(tol, Tolerance):
+        bad.tolerance = tol
+        if resumed:
+            evidence.compared(len(resumed), worst, tol.value, tol.describe(), tol.exact)
     return bad
 
 
-def rank_mismatches(base: ProcessResult, got: ProcessResult, tol: float) -> list[tuple[int, list]]:
+def rank_mismatches(base: ProcessResult, got: ProcessResult, tol: float | Tolerance) -> list[tuple[int, list]]:
     """(rank, its mismatch rows) for every rank whose curve leaves its own uninterrupted curve."""
     out = []
     for r, curve in enumerate(got.rank_losses):
@@ -68,6 +84,11 @@ def format_mismatches(rows, limit: int = 5, columns: tuple[str, str] = ("baselin
         lines.append(f"    {step:<6} {b:<17} {got:<17.8g} {diff:.3g}")
     if len(rows) > limit:
         lines.append(f"    ... {len(rows) - limit} more")
+    tolerance = getattr(rows, "tolerance", None)
+    # An exact trainer's difference under the cap is the one that needs explaining (it would have
+    # passed a fixed tolerance); a larger one speaks for itself.
+    if tolerance is not None and (not tolerance.exact or all(d <= tolerance.cap for *_, d in rows)):
+        lines.append(tolerance.verdict_line())
     return "\n".join(lines)
 
 

@@ -26,8 +26,10 @@ FIXES = {
         "fsync every file before renaming it into place, fsync the directory after the rename, and never load "
         "a checkpoint whose files fail their hash: fall back to the previous one",
     "io_error":
-        "let a failed write, fsync or rename raise (or retry the whole save into a new temp file): never rename "
-        "a file whose fsync failed, and keep the previous checkpoint until the new one is committed",
+        "let a failed write, fsync or rename raise (or retry the whole save into a new temp file until it "
+        "commits): never rename a file whose fsync failed, never train on to exit 0 without the failed step's "
+        "checkpoint (a background saver's error too), and keep the previous checkpoint until the new one is "
+        "committed",
     "preemption":
         "on SIGTERM set a flag, finish or abandon the save in progress, save once at the next step boundary and "
         "exit non-zero (128+15) within the grace period; never exit 0 before the last step",

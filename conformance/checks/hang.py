@@ -44,7 +44,7 @@ def hang(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint)
         problem = (f"after the stopped rank was killed, the next start resumed {resumed_from(r)}, older than the "
                    f"checkpoint of step {kill.newest_committed} committed before the stop")
     else:
-        rows = loss_mismatches(baseline.losses, final.losses, session.tol)
+        rows = loss_mismatches(baseline.losses, final.losses, session.tolerance(spec))
         if rows and not (r > 0 and session.same_as_plain_resume(spec, r, final.losses)):
             problem = (f"after the stopped rank was killed, the next start resumed from step {r} and diverges: the "
                        "job committed a checkpoint the stopped rank never finished\n  first differing steps:\n"

@@ -24,7 +24,7 @@ from .session import Session
 
 def interrupt(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
     outcome, where = signal_fault(session, check, spec, point, Stop(grace_s=session.grace_s, signal="INT"))
-    found = judge(outcome, session.baseline(spec).losses, session.tol, grace_s=session.grace_s,
+    found = judge(outcome, session.baseline(spec).losses, session.tolerance(spec), grace_s=session.grace_s,
                   same_as_plain=lambda r, losses: session.same_as_plain_resume(spec, r, losses))
     if found is not None:
         problem, details = found

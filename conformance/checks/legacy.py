@@ -45,7 +45,7 @@ def _one_sample(session: Session, check: str, spec: RunSpec, sample) -> None:
     if r != sample.step:
         raise session.fail(check, spec, f"the legacy checkpoint of step {sample.step} was not used: the trainer "
                            f"resumed from step {r}", details=details, case=case)
-    rows = loss_mismatches(base.losses, result.losses, session.tol)
+    rows = loss_mismatches(base.losses, result.losses, session.tolerance(spec))
     if rows:
         plot = plot_mismatch(session, check, spec, extra=f"legacy={sample.name}",
                              resumed=[(f"resumed from {sample.name}", result.losses)], resumes=[r])

@@ -45,7 +45,7 @@ def node_loss(session: Session, check: str, spec: RunSpec, _param, point: CrashP
         raise fail(f"after {lost}, the next job resumed {resumed_from(r)}; the save of step {bound} had been "
                    f"committed before the newest ({committed[-1]}), so a copy of node {point.node}'s part should "
                    "have survived elsewhere (a replica on another node, the shared directory, the cold tier)")
-    bad = rank_mismatches(base.result, final, session.tol)
+    bad = rank_mismatches(base.result, final, session.tolerance(spec))
     if bad and r > 0 and session.same_as_plain_resume(spec, r, final.losses):
         evidence.record(evidence.Note(f"the curve after resuming from step {r} diverges exactly as a plain resume "
                                       "from that checkpoint does: a resume problem, not the node loss"))

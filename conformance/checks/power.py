@@ -20,9 +20,10 @@ from ..offline.crash_states import CrashState, distinct, probe_specs, same_direc
 from ..offline.unseen import DirectoryView
 from ..trace.recording import UnreplayableTrace
 from .common import resumed_from
-from .failures import stderr_tail
+from .failures import loss_mismatches, stderr_tail
 from .session import Session
 from .states import MAX_STATE_FAILURES, decide_states, looked_at, observed_run, resumed_past
+from .tolerance import Tolerance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ def power_states(session: Session, spec: RunSpec, model: str) -> tuple[list[Powe
     return states, cuts
 
 
-def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[int, float], tol: float) -> str | None:
+def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[int, float], tol: Tolerance) -> str | None:
     c = state.completed
     durable = (f"the save of step {c} had completed (step {c + 1} was logged) before the power cut"
                + (f"; {state.lost}" if state.lost else ""))
@@ -94,9 +95,9 @@ def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[i
     if resumed < c:
         what = resumed_from(resumed)
         return f"{durable}; after it the trainer resumed {what}"
-    bad = [(s, loss) for s, loss in sorted(result.losses.items()) if not abs(loss - baseline.get(s, float("nan"))) <= tol]
+    bad = loss_mismatches(baseline, result.losses, tol)
     if bad:
-        s, loss = bad[0]
+        s, _, loss, _ = bad[0]
         return (f"the trainer resumed from step {resumed} but its loss at step {s} is {loss:.8g}, baseline "
                 f"{baseline.get(s, float('nan')):.8g}: it loaded data the power cut had damaged")
     return None
@@ -117,7 +118,7 @@ def decide_power_state(session: Session, spec: RunSpec, state: PowerState, cut: 
         named.append(more)
         if not resumed_past(result):
             break
-    problem = judge_power_state(state, result, run.losses, session.tol)
+    problem = judge_power_state(state, result, run.losses, session.tolerance(spec))
     if problem and result.returncode == 0 and result.first_step and result.first_step - 1 >= state.completed \
             and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
         problem = None   # whole checkpoint: any divergence is resume_matches_baseline's

@@ -26,7 +26,8 @@ from .session import Session
 
 def preemption(session: Session, check: str, spec: RunSpec, _param, point: CrashPoint) -> None:
     outcome, where = signal_fault(session, check, spec, point, Stop(grace_s=session.grace_s))
-    found = judge(outcome, session.baseline(spec).losses, session.tol, saves_on_term=session.adapter.has("preemption_save"),
+    found = judge(outcome, session.baseline(spec).losses, session.tolerance(spec),
+                  saves_on_term=session.adapter.has("preemption_save"),
                   grace_s=session.grace_s, same_as_plain=lambda r, losses: session.same_as_plain_resume(spec, r, losses))
     if found is not None:
         problem, details = found

@@ -135,7 +135,8 @@ CHECKS: tuple[Check, ...] = (
           "conformance/checks/determinism.py", determinism.determinism_precondition, precondition="none"),
     Check("resume_matches_baseline",
           "after any crash schedule (plain kills, nothing corrupted) the trainer finishes with exit 0 and "
-          "every loss it logs matches the uninterrupted run within --loss-tol",
+          "every loss it logs matches the uninterrupted run: bit for bit when its two uninterrupted runs are, "
+          "else within the tolerance learned from their noise (at most --loss-tol)",
           "conformance/checks/schedules.py", schedules.resume_matches_baseline, needs=("trace",),
           precondition="operations", draw=lambda b, _: strategies.schedules(b, max_crashes=2), case=_SCHEDULE),
     Check("no_lost_work",
@@ -164,7 +165,8 @@ CHECKS: tuple[Check, ...] = (
           case=_STATE),
     Check("io_error",
           "a write, fsync, rename or mkdir of a save fails with ENOSPC or EIO: the trainer exits non-zero "
-          "naming the error or goes on training; it never renames a file into place after its fsync failed "
+          "naming the error, or goes on training and commits that step's save after all (a retry) before its "
+          "next save, never exit 0 without it; it never renames a file into place after its fsync failed "
           "(fsyncgate); the next start resumes from at least the checkpoint committed before the failure and "
           "matches the baseline",
           "conformance/checks/storage.py", storage.io_error, params=("enospc", "eio"), needs=("trace",),
@@ -191,7 +193,8 @@ CHECKS: tuple[Check, ...] = (
           draw=compound.draw_state, case=_STATE),
     Check("restart_after_finish",
           "after an uninterrupted run, the trainer started again with the same environment exits 0 and trains "
-          "no step its newest checkpoint holds; any step it trains matches the baseline",
+          "no step its newest checkpoint holds; any step it trains matches the baseline; for the run as given and "
+          "for one lengthened to end on its save cadence, whose last step is checkpointed",
           "conformance/checks/lifecycle.py", lifecycle.restart_after_finish, needs=("trace",)),
     Check("extend_run",
           "after a run to TOTAL_STEPS, a start with a larger total trains the new steps, and their losses equal "

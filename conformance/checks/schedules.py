@@ -36,13 +36,13 @@ def _record_trial(session: Session, check: str, outcome: TrialOutcome) -> None:
         d = max_abs_diff(base, losses)
         if d is not None:
             worst = d if worst is None else max(worst, d)
-        rows += loss_mismatches(base, losses, session.tol)
+        rows += loss_mismatches(base, losses, session.tolerance(outcome.spec).value)
     evidence.record(evidence.Trial(
         check=check, schedule=format_schedule(outcome.schedule), spec=outcome.spec.describe(),
         crashes=tuple(evidence.CrashRecord(str(c.point), c.kill.text, c.kill.in_progress, c.kill.newest_committed,
                                            c.resumed_from) for c in outcome.crashed),
         final_exit=outcome.final.returncode, steps_compared=compared, max_abs_diff=worst,
-        tolerance=session.tol, mismatches=evidence.mismatch_rows(rows[:10])))
+        tolerance=session.tolerance(outcome.spec).value, mismatches=evidence.mismatch_rows(rows[:10])))
 
 
 def describe_crashes(outcome: TrialOutcome) -> str:
@@ -84,15 +84,15 @@ def resume_matches_baseline(session: Session, check: str, spec: RunSpec, _param,
                     "or torn write looks like this from outside)",
                     describe_crashes(outcome) + "\n  stderr of the resumed run:\n" + stderr_tail(outcome.final.stderr))
     for i, (who, losses) in enumerate(outcome.all_losses()):
-        rows = loss_mismatches(base.losses, losses, session.tol)
+        rows = loss_mismatches(base.losses, losses, session.tolerance(spec))
         if rows:
             raise fail_trial(session, check, outcome,
                         f"{who}: loss differs from the uninterrupted run at {len(rows)} step(s) "
-                        f"(tolerance {session.tol:g})",
+                        f"(tolerance {session.tolerance(spec).describe()})",
                         describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)
                         + "\n" + _likely_cause(session, spec, outcome.crashed[i].resumed_from, losses)
                         + "\n" + _plot_trial(session, check, outcome))
-    bad = rank_mismatches(base.result, outcome.final, session.tol)
+    bad = rank_mismatches(base.result, outcome.final, session.tolerance(spec))
     if bad:   # the global curve can hide a rank; each rank is compared with its own
         raise fail_trial(session, check, outcome,
                     f"rank(s) {', '.join(str(r) for r, _ in bad)} left their own uninterrupted curve after "
@@ -147,7 +147,7 @@ def no_torn_state(session: Session, check: str, spec: RunSpec, _param, schedule:
                         describe_crashes(outcome) + "\n  stderr:\n" + stderr_tail(nxt.stderr))
         if r not in c.kill.allowed_resumes():
             continue  # lost work, judged by no_lost_work
-        rows = loss_mismatches(base.losses, nxt.losses, session.tol)
+        rows = loss_mismatches(base.losses, nxt.losses, session.tolerance(spec))
         if rows and r > 0 and session.same_as_plain_resume(spec, r, nxt.losses):
             evidence.record(evidence.Note(f"crash {i + 1}: the curve after resuming from step {r} diverges "
                                           "exactly as a plain resume from that checkpoint does: whole "

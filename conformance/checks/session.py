@@ -25,6 +25,7 @@ from ..trace import alignment
 from ..trace.recording import RecordedRun
 from ..trace.strace import strace_problem
 from .failures import ConformanceFailure, fail, format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
+from .tolerance import Tolerance, learned
 
 SCRATCH_MIN_FREE = 2 << 30
 
@@ -37,6 +38,7 @@ class Determinism:
     operations_problem: str | None
     alignment: alignment.Alignment
     evidence: evidence.Determinism
+    tolerance: Tolerance        # learned from the two runs' largest |diff|
 
 
 class Session:
@@ -55,7 +57,7 @@ class Session:
         self.scratch = scratch_root(self.workdir)
         self.plot_dir = Path(plot_dir) if plot_dir else self.workdir / "plots"
         self.runner: Runner = runner or WarmRunner()
-        self.tol = tol
+        self.cap = tol          # --loss-tol: the most any comparison allows (tolerance() learns the rest)
         self.process_timeout = process_timeout
         self.grace_s = grace_s   # how long a SIGTERMed trainer may run before SIGKILL (preemption)
         # Until a baseline has run, nothing is known of the trainer's speed: generous limits.
@@ -66,6 +68,7 @@ class Session:
         self._resumes: dict[tuple, tuple] = {}   # (probe, directory key) -> (result, what it named, where it ran)
         self.resumes_shared = 0                  # how many resumes shared_resume did not run again
         self._twin: Session | None = None        # fresh_twin
+        self._noise_of: Session = self           # whose determinism runs measured the noise (a twin: its parent's)
         self.verdict_only = False   # a fresh twin: a failure's verdict only (no plot, no likely-cause experiments)
 
     def _cached(self, key: tuple, compute):
@@ -118,10 +121,11 @@ class Session:
         with self._lock:
             if self._twin is None:
                 twin = Session(self.adapter, self.workdir / "fresh-twin", runner=SubprocessRunner(jobs=self.runner.jobs),
-                               tol=self.tol, plot_dir=self.plot_dir, process_timeout=self.process_timeout,
+                               tol=self.cap, plot_dir=self.plot_dir, process_timeout=self.process_timeout,
                                grace_s=self.grace_s, cold=self.cold, resume_python=self.resume_python,
                                hang_timeout=self.hang_timeout)
                 twin.verdict_only = True
+                twin._noise_of = self       # the same trainer: its noise, measured once, holds
                 for key, value in self._cache.items():   # the fresh second runs are its baselines
                     if key[0] == "second" and value[0] == "ok":
                         twin._cache[("baseline", key[1])] = value
@@ -217,10 +221,25 @@ class Session:
     def determinism(self, spec: RunSpec) -> Determinism:
         return self._cached(("determinism", spec), lambda: self._determinism(spec))
 
+    def tolerance(self, spec: RunSpec) -> Tolerance:
+        """The tolerance every loss comparison of `spec`'s runs is held to (tolerance.py), learned
+        from this trainer's run-to-run noise: measured on `spec` where its determinism runs exist,
+        else the largest measured on another shape of the same trainer (a check's shorter or longer
+        run), else measured now."""
+        owner = self._noise_of
+        with owner._lock:
+            mine = owner._cache.get(("determinism", spec))
+            known = [v for k, (kind, v) in owner._cache.items() if k[0] == "determinism" and kind == "ok"]
+        if mine is not None and mine[0] == "ok":
+            return mine[1].tolerance
+        if known:
+            return max((d.tolerance for d in known), key=lambda t: t.value)
+        return owner.determinism(spec).tolerance
+
     def _determinism(self, spec: RunSpec) -> Determinism:
         base = self.baseline(spec)
         again = self.second_run(spec)
-        rows = loss_mismatches(base.losses, again.losses, self.tol)
+        rows = loss_mismatches(base.losses, again.losses, self.cap)
         losses = None
         if (rows or set(again.losses) != set(base.losses)) and self._warm_again_agrees(spec, base):
             losses = process_dependence(rows)
@@ -233,13 +252,15 @@ class Session:
                           "cannot be replayed exactly (threads racing in a save, or names that are neither "
                           "a function of the step nor fresh per run)\n    "
                           + lined_up.divergence.describe("run 1", "run 2"))
+        noise = run_noise(base, again)
+        tolerance = learned(None if losses else noise, self.cap)
         numbers = evidence.Determinism(
             spec=spec.describe(), exit_codes=(base.result.returncode, again.result.returncode),
-            steps=len(base.losses), max_abs_diff=max_abs_diff(base.losses, again.losses), tolerance=self.tol,
+            steps=len(base.losses), max_abs_diff=noise, tolerance=tolerance.value, basis=tolerance.describe(),
             mismatches=evidence.mismatch_rows(rows[:10]), operations=len(base.mutations),
             run_random_names=tuple(n.describe() for n in lined_up.names),
             divergence=lined_up.divergence.describe("run 1", "run 2") if lined_up.divergence else "")
-        return Determinism(losses, operations, lined_up, numbers)
+        return Determinism(losses, operations, lined_up, numbers, tolerance)
 
     def _warm_again_agrees(self, spec: RunSpec, base: RecordedRun) -> bool:
         """With a warm runner whose fresh run differed from the baseline: whether another warm run
@@ -305,7 +326,16 @@ class Session:
 
     def same_as_plain_resume(self, spec: RunSpec, step: int, losses: dict[int, float]) -> bool:
         plain = self.plain_resume_losses(spec, step)
-        return bool(plain) and bool(losses) and set(losses) <= set(plain) and not loss_mismatches(plain, losses, self.tol)
+        return (bool(plain) and bool(losses) and set(losses) <= set(plain)
+                and not loss_mismatches(plain, losses, self.tolerance(spec).value))
+
+
+def run_noise(base: RecordedRun, again: RecordedRun) -> float | None:
+    """The largest |diff| between two uninterrupted runs: the global curve's and, for a job, each
+    rank's own (a rank can differ where the mean of the ranks does not)."""
+    pairs = [(base.losses, again.losses)] + list(zip(base.result.rank_losses, again.result.rank_losses))
+    diffs = [d for a, b in pairs if (d := max_abs_diff(a, b)) is not None]
+    return max(diffs) if diffs else None
 
 
 def process_dependence(rows) -> str:

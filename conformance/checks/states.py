@@ -23,8 +23,9 @@ from ..run.runners import Tracing
 from ..trace import strace
 from ..trace.recording import UnreplayableTrace
 from .common import resumed_from
-from .failures import stderr_tail
+from .failures import loss_mismatches, stderr_tail
 from .session import Session
+from .tolerance import Tolerance
 
 MAX_STATE_FAILURES = 5
 STATE_WORKERS = int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1)
@@ -107,7 +108,7 @@ def resumed_past(result: ProcessResult) -> bool:
 
 
 def judge_state(state: CrashState, result: ProcessResult, baseline: dict[int, float], spec: RunSpec,
-                tol: float) -> str | None:
+                tol: Tolerance) -> str | None:
     """None if the trainer resumed correctly in this state, else what went wrong."""
     allowed = {state.newest_committed} | ({state.in_progress} if state.in_progress else set())
     if result.returncode != 0:
@@ -120,9 +121,9 @@ def judge_state(state: CrashState, result: ProcessResult, baseline: dict[int, fl
         want = " or ".join(f"step {s}" for s in sorted(allowed))
         what = resumed_from(resumed)
         return f"the trainer resumed {what}; expected {want} (newest committed before the kill)"
-    bad = [(s, loss) for s, loss in sorted(result.losses.items()) if not abs(loss - baseline.get(s, float("nan"))) <= tol]
+    bad = loss_mismatches(baseline, result.losses, tol)
     if bad:
-        s, loss = bad[0]
+        s, _, loss, _ = bad[0]
         return (f"the trainer resumed from step {resumed} but its loss at step {s} is {loss:.8g}, baseline "
                 f"{baseline.get(s, float('nan')):.8g}: it loaded incomplete state")
     return None
@@ -179,7 +180,7 @@ def decide_state(session: Session, spec: RunSpec, state: CrashState, directory: 
         named.append(more)
         if not resumed_past(result):
             break
-    problem = judge_state(state, result, run.losses, probe, session.tol)
+    problem = judge_state(state, result, run.losses, probe, session.tolerance(spec))
     if problem and result.returncode == 0 and result.first_step and result.first_step > 1 \
             and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
         problem = None   # the same steps as a plain resume from that checkpoint: it was whole

@@ -1,9 +1,12 @@
 """io_error[enospc|eio]: a write, sync, rename or mkdir of a save fails (a full disk, a quota,
 network storage returning EIO), then the trainer starts again on what it left.
 
-- The trainer notices: it exits non-zero naming the error, or it goes on training (the suite
-  stops it once it logs the next step) and the failed save never becomes a checkpoint that loads
-  bad data.
+- The trainer notices: it exits non-zero naming the error, or it goes on training and commits the
+  failed step's save after all (a retry) before its next save begins. Going on without the save
+  is a failure that passed silently: the step it failed to save never exists, and on a disk that
+  stays full such a job trains for days without a checkpoint while it reports success (orbax#605,
+  maxtext#5260). A team that chooses availability over durability waives it in its
+  expected-failures file, with the reason.
 - After a failed fsync the data may be gone even if a retried fsync succeeds (fsyncgate): renaming
   that file into place is a failure.
 - The previous checkpoint stays loadable: the next start resumes from at least the newest save
@@ -33,13 +36,13 @@ def io_error(session: Session, check: str, spec: RunSpec, param: str, point: Cra
     baseline = session.baseline(spec)
     save = point_save(baseline, point) or spec.total_steps
     outcome = run_fault(session.runner, session.adapter, spec, point, f"error={errno}", session.case_dir(f"io-{param}"),
-                        baseline, went_on_until=save + 1, stable=session.stable_paths(spec))
+                        baseline, went_on_past=save, stable=session.stable_paths(spec))
     kill, first, final = outcome.planned, outcome.first, outcome.final
     where = f"{errno} injected into {kill.text}, inside the save of step {kill.in_progress}"
     evidence.record(evidence.Fault(check=check, point=str(point), planned=kill.text, fault=errno,
                                    first_exit=first.returncode, went_on=went_on(outcome), resumed_from=outcome.resumed_from,
                                    final_exit=final.returncode))
-    found = judge(outcome, errno, baseline.losses, session.tol, committed_after_failed_sync(outcome.first_run),
+    found = judge(outcome, errno, baseline.losses, session.tolerance(spec), committed_after_failed_sync(outcome.first_run),
                   same_as_plain=lambda r, losses: session.same_as_plain_resume(spec, r, losses))
     if found is not None:
         problem, details = found
@@ -80,6 +83,13 @@ def judge(outcome: FaultOutcome, errno: str, baseline: dict[int, float], tol: fl
         return (f"after the failed save the trainer {what}; the next start resumed "
                 f"{resumed_from(r)}: the checkpoint of step {prev}, committed "
                 "before the failure, was lost (deleted or overwritten after the failed save?)"), ""
+    if on and final.returncode == 0 and 0 <= r < s:
+        return (f"a failed save passed silently: after {errno} in the save of step {s} the trainer went on training "
+                f"and exited 0, and the save of step {s} was never committed (no retry before its next save began): "
+                f"a start on the directory it left then resumed {resumed_from(r)}",
+                "  a trainer that goes on after a failed save must retry it until it commits, or exit non-zero "
+                "before claiming success; to choose availability over durability, waive this check in the "
+                "expected-failures file with the reason\n  stderr of the faulted run:\n" + stderr_tail(first.stderr))
     rows = loss_mismatches(baseline, final.losses, tol)
     if rows and not (r > 0 and same_as_plain(r, final.losses)):
         return (f"after the failed save the trainer {what}; the next start resumed from step {r} and diverges: "

@@ -93,7 +93,7 @@ def node_loss(session: Session, check: str, spec: RunSpec, _param, kill_at: int)
         raise fail(f"after the node loss the next start resumed {resumed_from(r)}; the "
                    f"save of step {bound} had been uploaded (a save before the newest, {saves[-1]}) and should be "
                    "in the cold tier")
-    rows = loss_mismatches(baseline.losses, final.losses, session.tol)
+    rows = loss_mismatches(baseline.losses, final.losses, session.tolerance(spec))
     if rows:
         raise fail(f"after the node loss the next start resumed from step {r} and diverges: it loaded incomplete "
                    "state from the cold tier", "  first differing steps:\n" + format_mismatches(rows))
@@ -169,7 +169,7 @@ def demotion_safe(session: Session, check: str, spec: RunSpec, _param, fault: Co
                    "deleted before the cold copy was verified?)", f"  {asked}\n  stderr:\n" + stderr_tail(probe.stderr))
     if r != step:
         raise fail(f"asked to resume from step {step}, the trainer resumed from step {r}", f"  {asked}\n")
-    rows = loss_mismatches(baseline.losses, probe.losses, session.tol)
+    rows = loss_mismatches(baseline.losses, probe.losses, session.tolerance(spec))
     if rows:
         raise fail(f"resumed from step {step} after the fault, the trainer diverges from the baseline: it loaded a "
                    "damaged copy of that checkpoint", f"  {asked}\n  first differing steps:\n" + format_mismatches(rows))
@@ -234,7 +234,7 @@ def branch_resume(session: Session, check: str, spec: RunSpec, _param, _case) ->
                    "deleted?", "  stderr:\n" + stderr_tail(branch.stderr))
     if r != step:
         raise fail(f"asked to resume from step {step}, the trainer resumed from step {r}")
-    rows = loss_mismatches(baseline.losses, branch.losses, session.tol)
+    rows = loss_mismatches(baseline.losses, branch.losses, session.tolerance(spec))
     if rows:
         raise fail(f"the new branch from step {step} diverges from the baseline", "  first differing steps:\n"
                    + format_mismatches(rows))

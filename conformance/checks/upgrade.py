@@ -97,7 +97,7 @@ def upgrade_resume(session: Session, check: str, spec: RunSpec, param: str, _cas
                            f"step {stop} saved under {saver.name}: it refused or skipped it",
                            details=where + "  stderr:\n" + stderr_tail(resumed.stderr), case=case)
     baseline = session.baseline(spec) if resumer is here else session.other_baseline(spec, there.adapter)
-    rows = loss_mismatches(baseline.losses, resumed.losses, session.tol)
+    rows = loss_mismatches(baseline.losses, resumed.losses, session.tolerance(spec))
     if rows and not _same_as_own_resume(session, resumer.adapter, spec, stop, resumed, param):
         raise session.fail(check, spec, f"resumed under {resumer.name} from step {stop} (saved under "
                            f"{saver.name}), the losses differ from an uninterrupted run under "
@@ -111,5 +111,5 @@ def _same_as_own_resume(session: Session, adapter: TrainerAdapter, spec: RunSpec
     """Whether a resume saved and resumed in the resuming environment alone gives the same losses."""
     own = session.run_once(spec.but(total_steps=stop), f"{param}-own-save", adapter=adapter)
     again = session.run_once(spec, f"{param}-own-resume", adapter=adapter, prepare=own.ckpt_dir).result
-    return again.returncode == 0 and not loss_mismatches(again.losses, resumed.losses, session.tol) \
+    return again.returncode == 0 and not loss_mismatches(again.losses, resumed.losses, session.tolerance(spec)) \
         and set(resumed.losses) <= set(again.losses)

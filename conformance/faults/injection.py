@@ -52,14 +52,16 @@ def error_points(run: recording.RecordedRun) -> list[int]:
 
 def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: CrashPoint, action: str,
               workdir: Path, baseline: recording.RecordedRun, *, stop: Stop | None = None,
-              went_on_until: int | None = None, stable: frozenset[str] = frozenset(),
+              went_on_past: int | None = None, stable: frozenset[str] = frozenset(),
               faulted_spec: RunSpec | None = None, then_start: bool = True) -> FaultOutcome:
     """Fault one process at `point` with `action`, then start the trainer again on what it left.
 
-    With `went_on_until`=k, the faulted process is recorded with its data, and if it goes on
-    training (exit 0) the next start runs on the directory as it was when the process had logged
-    step k (rebuilt offline from that recording: exact, where stopping the process from outside
-    would race it), not as the whole run left it. `stable`: paths the same in every run (a job's
+    With `went_on_past`=s (the step of the faulted save), the faulted process is recorded with its
+    data, and if it goes on training (exit 0) the next start runs on the directory as it was right
+    before the process began its next save (rebuilt offline from that recording: exact, where
+    stopping the process from outside would race it), not as the whole run left it: whatever the
+    trainer did about the failed save (a retry, in the foreground or in flight) is in it, and
+    nothing a later save wrote. `stable`: paths the same in every run (a job's
     fault on one is delivered by path, as a kill is; delivery.choose_route). `faulted_spec`: the
     same run with other hints in its environment (CONFORMANCE_HANG_TIMEOUT), or another launch
     (torchrun's --max-restarts), for the faulted process only. Without `then_start`, nothing is
@@ -76,7 +78,7 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
         raise CrashNotLanded(f"fault point {point} does not exist in the trainer's trace ({what_is_there(baseline, point)})")
     log = (workdir / "faulted-loss.jsonl").resolve()
     rank = point.on_rank
-    data = went_on_until is not None
+    data = went_on_past is not None
     own_view = baseline.rank_view(rank)
     # How the fault lands and is proven to (delivery.choose_route), as kills do: a step point on
     # the rank's loss log, unless the directory may have to be rebuilt from what the faulted
@@ -121,11 +123,12 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
         kill = deliver(planned, own_view, attempt, check, job=True, shifted=True, reset=reset,
                        counting=route.counting)
     first, first_run = runs[-1]
-    if went_on_until is not None and first.returncode == 0:
+    if went_on_past is not None and first.returncode == 0:
         replayer = Replayer()
         for op in first_run.ops:
-            if op.after_step <= went_on_until - 1:
-                replayer.apply(op)
+            if op.save > went_on_past:
+                break
+            replayer.apply(op)
         shutil.rmtree(ckpt)
         replayer.materialize(ckpt)
     final = runner.run_process(adapter, spec, ckpt, (workdir / "final-loss.jsonl").resolve()) if then_start else first

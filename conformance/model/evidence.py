@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any, ClassVar
 
 _KINDS: dict[str, type] = {}
@@ -118,13 +119,15 @@ class Determinism(Evidence):
     operations: int = 0                     # mutations under the checkpoint dir per run
     run_random_names: tuple[str, ...] = ()  # learned from the two runs
     divergence: str = ""                    # the first operation the runs differ at
+    basis: str = ""                         # the learned tolerance, described (tolerance.Tolerance)
 
     def summary(self) -> str:
         diff = f"{self.max_abs_diff:.3g}" if self.max_abs_diff is not None else "n/a"
         names = f", {len(self.run_random_names)} run-random name(s)" if self.run_random_names else ""
         ops = f"; operations differ: {self.divergence}" if self.divergence else \
             f"; same {self.operations} filesystem operations{names}"
-        return f"two uninterrupted runs, {self.steps} steps, max |diff| {diff}{ops}"
+        learned = f"; every resume is held to tolerance {self.basis}" if self.basis else ""
+        return f"two uninterrupted runs, {self.steps} steps, max |diff| {diff}{ops}{learned}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,16 +267,56 @@ class Note(Evidence):
         return self.text
 
 
+@dataclasses.dataclass(frozen=True)
+class Compared(Evidence):
+    """Every loss comparison a test judged by, in one record: how many curves, how many steps, the
+    largest |diff| seen and the tolerance it was held to."""
+
+    kind: ClassVar[str] = "compared"
+    curves: int
+    steps: int
+    max_abs_diff: float | None
+    tolerance: float
+    basis: str                 # tolerance.Tolerance.describe(): exact, learned from noise, or the cap and why
+    exact: bool
+
+    def summary(self) -> str:
+        diff = "n/a" if self.max_abs_diff is None else f"{self.max_abs_diff:.3g}"
+        return (f"{'exact: ' if self.exact else ''}{self.steps} step(s) of {self.curves} resumed curve(s) compared, "
+                f"max |diff| {diff}, tolerance {self.basis}")
+
+    def merged(self, steps: int, worst: float | None) -> Compared:
+        both = [d for d in (self.max_abs_diff, worst) if d is not None]
+        return dataclasses.replace(self, curves=self.curves + 1, steps=self.steps + steps,
+                                   max_abs_diff=max(both) if both else None)
+
+
 _recorded: list[Evidence] = []
+_compared: list[Compared] = []      # at most one: the running test's comparisons so far
+_lock = threading.Lock()            # crash states judge from several threads
 
 
 def record(item: Evidence) -> None:
     """Attach evidence to the running test (one record per trial or case)."""
-    _recorded.append(item)
+    with _lock:
+        _recorded.append(item)
+
+
+def compared(steps: int, worst: float | None, tolerance: float, basis: str, exact: bool) -> None:
+    """One resumed curve was compared with its baseline: folded into the test's Compared record."""
+    with _lock:
+        if _compared and _compared[0].basis == basis:
+            _compared[0] = _compared[0].merged(steps, worst)
+        else:
+            if _compared:
+                _recorded.append(_compared.pop())
+            _compared.append(Compared(1, steps, worst, tolerance, basis, exact))
 
 
 def take() -> list[Evidence]:
     """What the running test recorded so far; clears it."""
-    out = list(_recorded)
-    _recorded.clear()
+    with _lock:
+        out = list(_recorded) + list(_compared)
+        _recorded.clear()
+        _compared.clear()
     return out

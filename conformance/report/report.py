@@ -15,7 +15,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..model.evidence import Evidence, RunnerDisagreement, Trial
+from ..model.evidence import Determinism, Evidence, RunnerDisagreement, Trial
 from ..model.settings import VERSION
 
 REPORT_SCHEMA = "conformance-report/2"
@@ -128,6 +128,13 @@ class Report:
                 out[case.check] = case.outcome
         return out
 
+    @property
+    def comparison(self) -> str:
+        """How the resumes were judged: "exact" (bitwise) or the learned tolerance, from the
+        determinism runs (several different ones in a merged report: each, once)."""
+        found = dict.fromkeys(e.basis for c in self.cases for e in c.evidence if isinstance(e, Determinism) and e.basis)
+        return "; ".join(found)
+
     def levels(self):
         from .levels import assess
         return assess(self.outcomes)
@@ -224,6 +231,11 @@ def render_markdown(report: Report) -> str:
     lines += [f"**Conformance level: {f'{top.level} ({top.meaning})' if top else 'none met'}** · "
               + " · ".join(f"{s.level} {s.status}" for s in levels), ""]
     lines += [" · ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no checks ran", ""]
+    if report.comparison:
+        exact = report.comparison.startswith("0 (exact")
+        lines += [("**Resumes judged exact**: every resumed loss must equal the uninterrupted run's bit for bit ("
+                   "tolerance " if exact else "Resumes judged within tolerance ") + report.comparison
+                  + (")" if exact else ""), ""]
     disagreements = report.disagreements
     if disagreements:
         lines += [f"**{len(disagreements)} runner disagreement(s)**: the warm runner failed a case that a fresh "
