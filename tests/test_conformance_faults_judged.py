@@ -93,3 +93,14 @@ def test_a_sigterm_then_a_resume_from_the_newest_committed_checkpoint_passes():
 def test_each_way_a_preemption_goes_wrong_is_named(first, final, saves, expected):
     problem = term(outcome(first, final), saves_on_term=saves)
     assert problem and expected in problem, problem
+
+
+def test_a_trainer_that_goes_on_without_the_failed_save_fails_naming_the_lost_step():
+    went_on = ProcessResult(0, dict(BASELINE), "warning: background save failed, continuing")
+    problem = io(outcome(went_on, resumed(6)))
+    assert problem and "a failed save passed silently" in problem and "the save of step 9 was never committed" in problem
+
+
+def test_a_trainer_that_goes_on_and_commits_the_failed_step_by_a_retry_passes():
+    went_on = ProcessResult(0, dict(BASELINE), "warning: save failed, retried")
+    assert io(outcome(went_on, resumed(9))) is None

@@ -134,7 +134,8 @@ def test_save_order_that_varies_is_named_in_both_runs(run_suite):
 
 
 # The extra a broken trainer needs beyond the README's install (its tests skip without it).
-BROKEN_EXTRAS = {"chain_retention_drops_base": "compression", "chain_latest_before_write": "compression",
+BROKEN_EXTRAS = {"chain_retention_drops_base": "compression",
+                 "delta_without_digest": "compression", "chain_latest_before_write": "compression",
                  "compressed_piece_without_length": "compression", "inflight_live_snapshot": "safetensors",
                  "inflight_prunes_before_commit": "safetensors", "cold_without_marker": "cold",
                  "branch_overwrites": "cold", "rotation_drops_best": "cold"}
@@ -254,3 +255,14 @@ def test_an_io_error_failure_shows_the_same_stderr_tail_in_the_run_and_in_its_re
     proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and "FAIL" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert _stderr_block(proc.stdout) == in_run, proc.stdout[-3000:]
+
+
+def test_the_correct_twin_of_the_gradient_accumulation_bug_resumes_exactly(run_suite):
+    # fixtures.broken.data_position_in_optimizer_steps is caught by resume_matches_baseline; the same
+    # trainer counting the skip in micro-batches must pass, bitwise (an exact trainer).
+    verdicts, out = run_suite("--adapter=fixtures.broken.data_position_in_optimizer_steps:CORRECT",
+                              "--hypothesis-profile=quick", CONFIRMED, "-k",
+                              "determinism or resume_matches or no_lost or crash_states")
+    assert verdicts, out[-3000:]
+    bad = {name: v for name, v in verdicts.items() if v[0] != "passed"}
+    assert not bad, "\n\n".join(f"{n}: {m[:2000]}" for n, (_, m) in bad.items())

@@ -23,7 +23,9 @@
 
 node_loss has two cases: a cold tier (tiers.py) and node-local storage in a job of several nodes
 (nodes.py). Shared by them: session.py (one trainer's baselines and work directories), common.py (loss
-comparisons and plots), diagnosis.py (the likely cause of a resume that differs), registry.py
+comparisons and plots), tolerance.py (how exact a comparison is, learned from the trainer's noise),
+digests.py (state digests compared component by component), diagnosis.py (the likely cause of a
+resume that differs), registry.py
 (every check's id, capabilities, level and how its cases are drawn).
 """
 from .registry import BY_ID, CHECKS, Check, all_check_ids, skip_reason, split_id  # noqa: F401

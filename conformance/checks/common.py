@@ -54,10 +54,12 @@ def newest_checkpoint_files(prefix: RecordedRun, stop: int) -> list[Path]:
     return [p for p in paths if p.is_file() and not p.is_symlink()]
 
 
-def copy_prefix(session: Session, spec: RunSpec, name: str, check: str) -> tuple[Path, list[Path], int]:
-    """A fresh copy of the prefix run's checkpoint directory, the files of its newest checkpoint
-    in the copy, and that checkpoint's step."""
-    prefix, stop = session.prefix(spec)
+def copy_prefix(session: Session, spec: RunSpec, name: str, check: str, stop: int | None = None
+                ) -> tuple[Path, list[Path], int]:
+    """A fresh copy of the prefix run's checkpoint directory (stopped after the save of `stop`, by
+    default the last before the end), the files of its newest checkpoint in the copy, and that
+    checkpoint's step."""
+    prefix, stop = session.prefix(spec, stop)
     d = session.case_dir(name)
     ckpt = (d / "ckpt").resolve()
     copy_checkpoint_dir(prefix.ckpt_dir, ckpt, spec.cold)

@@ -6,8 +6,10 @@ The promise is learned from the uninterrupted run (offline/retained.py): the old
 present right after the damaged one's save ended. Retention that deletes an old restore point
 before the new checkpoint is committed passes every single-fault check and fails this one.
 
-- The promised checkpoint is still whole after the fault, unless the interrupted save's files
-  were all written (its retention may then have gone).
+- Every checkpoint retention keeps beside the damaged one (as many as the run holds at its end) is
+  still whole after the fault, unless the interrupted save's files were all written (its retention
+  may then have gone): a trainer that deletes its oldest checkpoint before writing the new one fails
+  even where an older fallback remains.
 - If the next start trains, it resumes from the promised checkpoint or a newer intact one and
   matches the baseline; it never trains on the damaged state. Stopping loudly (exit non-zero) is
   allowed, as in corruption_detected, while what retention promised is still there; with nothing
@@ -51,7 +53,22 @@ def draw_state(baseline: RecordedRun, param: str) -> st.SearchStrategy[int]:
                "see power_loss[data])" if _MODEL[param] == "power" else
                "no save is interrupted after a committed one (the run has fewer than two saves)")
         raise CheckNotApplicable(f"nothing to damage: {why}")
-    return st.sampled_from(found)
+    # Half the draws go to states where retention holds all it keeps (the early saves of a run cannot
+    # show a restore point deleted before its time), latest first: the simplest example Hypothesis
+    # tries is then the last state before a commit, by which any early deletion has happened. The
+    # other half go to any state.
+    full = _steady_states(baseline, param)
+    return st.one_of(st.sampled_from(full), st.sampled_from(found)) if full else st.sampled_from(found)
+
+
+_STEADY: dict[tuple[int, str], tuple[RecordedRun, list[int]]] = {}
+
+
+def _steady_states(run: RecordedRun, param: str) -> list[int]:
+    key = (id(run), _MODEL[param])
+    if key not in _STEADY or _STEADY[key][0] is not run:
+        _STEADY[key] = (run, retained.steady(run, usable_states(run, param))[::-1])
+    return _STEADY[key][1]
 
 
 def compound_faults(session: Session, check: str, spec: RunSpec, param: str, before) -> None:
@@ -98,6 +115,12 @@ def judge(state: retained.CompoundState, returncode: int, losses: dict[int, floa
     """What went wrong, or None; a pure function of the state and the resumed process."""
     early = (f"retention had deleted the checkpoint of step {state.promised}, which it kept beside step "
              f"{state.damaged} in the uninterrupted run, before the save of step {state.in_progress} was complete")
+    if state.missing:
+        gone = ", ".join(f"step {s}" for s in state.missing)
+        return (f"retention had deleted (or left damaged) the checkpoint(s) of {gone}, which it keeps beside step "
+                f"{state.damaged} in the uninterrupted run, while the save of step {state.in_progress} was not yet "
+                "committed: in this state the trainer holds fewer restore points than its own retention promises "
+                "(it makes room before writing instead of deleting after the commit)")
     if returncode != 0:
         # Stopping loudly on a damaged checkpoint is allowed (as in corruption_detected), provided
         # what retention promised is still there for whoever restarts it.

@@ -35,11 +35,11 @@ class Damage:
     details: str = ""
 
 
-def damage_targets(session: Session, spec: RunSpec, newest_files: list[Path], ckpt: Path) -> list[str]:
+def damage_targets(session: Session, spec: RunSpec, newest_files: list[Path], ckpt: Path, stop: int) -> list[str]:
     """The files (relative paths) to damage: every file under the checkpoint directory that a
-    resume from the newest checkpoint reads, largest first; the newest save's own files if the
-    resume's reads are unknown."""
-    read = session.files_read_on_resume(spec)
+    resume from the newest checkpoint (of step `stop`) reads, largest first; the newest save's own
+    files if the resume's reads are unknown."""
+    read = session.files_read_on_resume(spec, stop)
     found = [p for p in sorted(read) if (ckpt / p).is_file() and not (ckpt / p).is_symlink()]
     if not found:
         found = [f.relative_to(ckpt).as_posix() for f in newest_files]
@@ -80,6 +80,18 @@ def _with_stand_in_bytes(op: Op) -> Op:
     return op
 
 
+def longest_restore_path(session: Session, spec: RunSpec) -> int:
+    """Of the last two saves before the end (each leaves an older one to fall back to), the one
+    whose resume reads the most files: a chain's delta needs its base and the deltas before it, while
+    a full checkpoint needs only itself, so damage drawn from a full newest checkpoint would never
+    reach a delta. Learned from the runs, once per session."""
+    def compute():
+        last = spec.save_every * ((spec.total_steps - 1) // spec.save_every)
+        stops = [s for s in (last, last - spec.save_every) if s >= 2 * spec.save_every]
+        return max(stops, key=lambda s: (len(session.files_read_on_resume(spec, s)), s)) if len(stops) > 1 else last
+    return session._cached(("longest-restore-path", spec), compute)
+
+
 def fallback_step(held: dict[int, frozenset[str]], stop: int) -> int:
     """The newest checkpoint older than step `stop` that the directory holds whole (0: none, and
     starting from scratch is right when the checkpoint of `stop` is damaged)."""
@@ -91,11 +103,11 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
     per resume; for each, the trainer falls back to the newest intact checkpoint that the directory
     really holds (see saves_held; from scratch if it holds none) or exits non-zero with a message.
     Returns the number of files damaged."""
-    prefix, stop = session.prefix(spec)
+    prefix, stop = session.prefix(spec, longest_restore_path(session, spec))
     held = saves_held(prefix)
     previous = fallback_step(held, stop)
-    d0, newest, _ = copy_prefix(session, spec, f"corrupt-{kind}-list", check)
-    targets = damage_targets(session, spec, newest, (d0 / "ckpt").resolve())
+    d0, newest, _ = copy_prefix(session, spec, f"corrupt-{kind}-list", check, stop)
+    targets = damage_targets(session, spec, newest, (d0 / "ckpt").resolve(), stop)
     newest_rel = {f.relative_to((d0 / "ckpt").resolve()).as_posix() for f in newest}
     shutil.rmtree(d0, ignore_errors=True)
     if only is not None:
@@ -105,7 +117,7 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
     shared = read_by_previous(session, spec, previous, newest_rel)
 
     def one(rel: str) -> Damage:
-        d, _, _ = copy_prefix(session, spec, f"corrupt-{kind}", check)
+        d, _, _ = copy_prefix(session, spec, f"corrupt-{kind}", check, stop)
         ckpt = (d / "ckpt").resolve()
         what = corrupt(kind, ckpt / rel)
         result = session.runner.run_process(session.adapter, spec, ckpt, (d / "loss.jsonl").resolve())

@@ -13,8 +13,12 @@ involved; the reference is an uninterrupted run with the same save cadence.
   after the loss)?
 - same process: save and resume within one process (warm runner only). A match there, but not
   across processes, means state kept outside the checkpoint (module globals, caches).
+- state digests, where the trainer logs them (checks/digests.py): the first component whose digest
+  leaves the uninterrupted run's, right after the resumed process's set-up or after a step, names
+  the state directly; no other experiment is needed.
 
-The verdict is "cannot tell" when the experiments contradict each other or cannot run.
+A cause is claimed only where an experiment separates it from the others; each is listed under it.
+Otherwise the verdict is "cannot tell", with the candidates named.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import dataclasses
 
 from ..model.process import RunSpec
 from ..run.forkserver import warm_target
+from .digests import StateMismatch, first_state_mismatch
 from .failures import loss_mismatches, step_ranges
 from .session import Session
 
@@ -104,7 +109,11 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
     """The likely cause of `resumed` (a process that resumed from step `resumed_from`) differing
     from the baseline."""
     base = session.baseline(spec).losses
-    tol = session.tolerance(spec).value
+    tolerance = session.tolerance(spec)
+    tol = tolerance.value
+    found = first_state_mismatch(base, resumed, tolerance.digests)
+    if found is not None:
+        return _from_digests(found, resumed_from)
     ref = _reference(session, spec)
     if ref is None or loss_mismatches(base, ref, tol):
         return Diagnosis("cannot tell", ("an uninterrupted run that saves at every step does not reproduce the "
@@ -173,13 +182,34 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
         if matching:
             return Diagnosis("cannot tell: resumes match at some steps and not others, without a pattern",
                              tuple(evidence))
-        return Diagnosis("the forward pass sees different state after a resume: parameters or buffers (the RNG "
-                         "and the data position look restored)", tuple(evidence))
+        return Diagnosis("cannot tell: the first resumed step already differs, so its forward pass sees other state, "
+                         "but no experiment here separates the candidates: parameters or buffers not restored, the "
+                         "batch (data position), or an RNG draw made between the restore and the first step (an "
+                         "iterator created after the restore draws a seed); log state digests "
+                         "(docs/running.md, \"State digests\") to have the suite name it", tuple(evidence))
     if first_differs is False:
         if period is not None:
             return Diagnosis(f"LR scheduler state: the first resumed step matches and resumes match only every "
                              f"{period} steps (the schedule's period?)", tuple(evidence))
-        return Diagnosis("optimizer or LR scheduler state (or an RNG used after the loss): the first resumed step "
-                         "matches and later ones differ", tuple(evidence))
+        return Diagnosis("cannot tell between optimizer state, LR scheduler state and an RNG used after the loss: the "
+                         "first resumed step matches and later ones differ; log state digests to have the suite "
+                         "name it", tuple(evidence))
     return Diagnosis("cannot tell", tuple(evidence))
 
+
+def _from_digests(found: StateMismatch, resumed_from: int) -> Diagnosis:
+    """The cause the trainer's own state digests show, with that comparison as its evidence."""
+    what = " and ".join(found.differs)
+    seen = (f"state digests the trainer logged: {found.describe()}" + (f" (the resume was from step {resumed_from})"
+                                                                       if resumed_from > 0 else ""),)
+    if found.at_setup and found.differs == ("rng",):
+        return Diagnosis("RNG state changed between the restore and the first resumed step: the checkpoint held the "
+                         "uninterrupted run's generators, and the set-up after loading it drew from them or seeded "
+                         "them again (creating a DataLoader iterator draws its base seed from the global torch "
+                         "generator; a seed_everything() after the load re-seeds)", seen)
+    if found.at_setup:
+        return Diagnosis(f"{what} state is not what the checkpoint held by the time the resumed process trains: not "
+                         "restored, kept at a lower precision than it is trained in, or changed by the set-up after "
+                         "the load", seen)
+    return Diagnosis(f"{what} state: restored differently or not at all (the components named equal were restored "
+                     "exactly)", seen)

@@ -7,6 +7,7 @@ import shlex
 from ..model import evidence
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec
+from .digests import StateMismatch, first_state_mismatch
 from .tolerance import Tolerance
 
 
@@ -26,9 +27,23 @@ class CheckNotApplicable(Exception):
 
 class Mismatches(list):
     """loss_mismatches' rows, with the tolerance they were found against (format_mismatches says
-    what a difference means for an exact trainer)."""
+    what a difference means for an exact trainer) and the first state digest that differs. A
+    resume whose state differs while its losses agree gets that step as its one row: it fails."""
 
     tolerance: Tolerance | None = None
+    state: StateMismatch | None = None
+
+    @property
+    def state_only(self) -> bool:
+        return self.state is not None and all(d <= self.tolerance.value for *_, d in self)
+
+    def first_problem(self, baseline: dict[int, float]) -> str:
+        """The first difference, in words: a state component's, or the first step's loss."""
+        if self.state_only:
+            return f"its {self.state.describe()} (its losses match)"
+        step, _, got, _ = self[0]
+        base = baseline.get(step)
+        return f"its loss at step {step} is {got:.8g}, baseline " + ("missing" if base is None else f"{base:.8g}")
 
 
 def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: float | Tolerance) -> Mismatches:
@@ -48,6 +63,12 @@ def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: 
             bad.append((step, expected, resumed[step], diff))
     if isinstance(tol, Tolerance):
         bad.tolerance = tol
+        bad.state = first_state_mismatch(baseline, resumed, tol.digests)
+        if bad.state is not None and not bad and resumed:
+            # the first step logged at or after the difference carries it (a set-up difference: the next one)
+            step = min((s for s in resumed if s >= bad.state.step + bad.state.at_setup), default=min(resumed))
+            expected = baseline.get(step)
+            bad.append((step, expected, resumed[step], float("inf") if expected is None else abs(resumed[step] - expected)))
         if resumed:
             evidence.compared(len(resumed), worst, tol.value, tol.describe(), tol.exact)
     return bad
@@ -84,6 +105,9 @@ def format_mismatches(rows, limit: int = 5, columns: tuple[str, str] = ("baselin
         lines.append(f"    {step:<6} {b:<17} {got:<17.8g} {diff:.3g}")
     if len(rows) > limit:
         lines.append(f"    ... {len(rows) - limit} more")
+    state = getattr(rows, "state", None)
+    if state is not None:
+        lines.append(f"    state: {state.describe()}")
     tolerance = getattr(rows, "tolerance", None)
     # An exact trainer's difference under the cap is the one that needs explaining (it would have
     # passed a fixed tolerance); a larger one speaks for itself.

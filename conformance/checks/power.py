@@ -97,9 +97,8 @@ def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[i
         return f"{durable}; after it the trainer resumed {what}"
     bad = loss_mismatches(baseline, result.losses, tol)
     if bad:
-        s, _, loss, _ = bad[0]
-        return (f"the trainer resumed from step {resumed} but its loss at step {s} is {loss:.8g}, baseline "
-                f"{baseline.get(s, float('nan')):.8g}: it loaded data the power cut had damaged")
+        return (f"the trainer resumed from step {resumed} but {bad.first_problem(baseline)}: it loaded data the "
+                "power cut had damaged")
     return None
 
 

@@ -86,9 +86,9 @@ def resume_matches_baseline(session: Session, check: str, spec: RunSpec, _param,
     for i, (who, losses) in enumerate(outcome.all_losses()):
         rows = loss_mismatches(base.losses, losses, session.tolerance(spec))
         if rows:
-            raise fail_trial(session, check, outcome,
-                        f"{who}: loss differs from the uninterrupted run at {len(rows)} step(s) "
-                        f"(tolerance {session.tolerance(spec).describe()})",
+            what = (f"{rows.state.describe()}, though its losses match the uninterrupted run's" if rows.state_only
+                    else f"loss differs from the uninterrupted run at {len(rows)} step(s)")
+            raise fail_trial(session, check, outcome, f"{who}: {what} (tolerance {rows.tolerance.describe()})",
                         describe_crashes(outcome) + "\n  first differing steps:\n" + format_mismatches(rows)
                         + "\n" + _likely_cause(session, spec, outcome.crashed[i].resumed_from, losses)
                         + "\n" + _plot_trial(session, check, outcome))

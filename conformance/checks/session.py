@@ -24,6 +24,7 @@ from ..run.warm import WarmRunner
 from ..trace import alignment
 from ..trace.recording import RecordedRun
 from ..trace.strace import strace_problem
+from . import digests
 from .failures import ConformanceFailure, fail, format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
 from .tolerance import Tolerance, learned
 
@@ -253,10 +254,13 @@ class Session:
                           "a function of the step nor fresh per run)\n    "
                           + lined_up.divergence.describe("run 1", "run 2"))
         noise = run_noise(base, again)
-        tolerance = learned(None if losses else noise, self.cap)
+        tolerance = learned(None if losses else noise, self.cap, comparable_digests(base, again))
+        logged = {n for curve in (base.result.rank_losses or (base.losses,)) for d in getattr(curve, "states", {}).values()
+                  for n in d}
         numbers = evidence.Determinism(
             spec=spec.describe(), exit_codes=(base.result.returncode, again.result.returncode),
             steps=len(base.losses), max_abs_diff=noise, tolerance=tolerance.value, basis=tolerance.describe(),
+            digests_left_out=tuple(sorted(logged - set(tolerance.digests))),
             mismatches=evidence.mismatch_rows(rows[:10]), operations=len(base.mutations),
             run_random_names=tuple(n.describe() for n in lined_up.names),
             divergence=lined_up.divergence.describe("run 1", "run 2") if lined_up.divergence else "")
@@ -326,8 +330,18 @@ class Session:
 
     def same_as_plain_resume(self, spec: RunSpec, step: int, losses: dict[int, float]) -> bool:
         plain = self.plain_resume_losses(spec, step)
+        tol = self.tolerance(spec)
         return (bool(plain) and bool(losses) and set(losses) <= set(plain)
-                and not loss_mismatches(plain, losses, self.tolerance(spec).value))
+                and not loss_mismatches(plain, losses, tol.value)
+                and digests.first_state_mismatch(plain, losses, tol.digests) is None)
+
+
+def comparable_digests(base: RecordedRun, again: RecordedRun) -> tuple[str, ...]:
+    """State components both uninterrupted runs log with equal digests at every step: for a job,
+    on every rank (digests.comparable)."""
+    curves = list(zip(base.result.rank_losses, again.result.rank_losses)) or [(base.losses, again.losses)]
+    found = [set(digests.comparable(a, b)) for a, b in curves]
+    return tuple(sorted(set.intersection(*found))) if found else ()
 
 
 def run_noise(base: RecordedRun, again: RecordedRun) -> float | None:

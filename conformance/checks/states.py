@@ -123,9 +123,7 @@ def judge_state(state: CrashState, result: ProcessResult, baseline: dict[int, fl
         return f"the trainer resumed {what}; expected {want} (newest committed before the kill)"
     bad = loss_mismatches(baseline, result.losses, tol)
     if bad:
-        s, _, loss, _ = bad[0]
-        return (f"the trainer resumed from step {resumed} but its loss at step {s} is {loss:.8g}, baseline "
-                f"{baseline.get(s, float('nan')):.8g}: it loaded incomplete state")
+        return f"the trainer resumed from step {resumed} but {bad.first_problem(baseline)}: it loaded incomplete state"
     return None
 
 

@@ -27,6 +27,7 @@ class Tolerance:
     noise: float | None      # the largest |diff| between two uninterrupted runs; None: not measured
     cap: float               # --loss-tol
     reason: str = ""         # why a check keeps the cap whatever the noise (a resume on another world size)
+    digests: tuple[str, ...] = ()   # state components compared too (digests.comparable: equal in both runs)
 
     @property
     def exact(self) -> bool:
@@ -37,6 +38,10 @@ class Tolerance:
         return expected is not None and abs(got - expected) <= self.value
 
     def describe(self) -> str:
+        digests = f"; state digests compared: {', '.join(self.digests)}" if self.digests else ""
+        return self._losses() + digests
+
+    def _losses(self) -> str:
         if self.reason:
             return f"{self.value:g}, the --loss-tol cap ({self.reason})"
         if self.exact:
@@ -54,13 +59,14 @@ class Tolerance:
                 "is a defect, however small; likely causes: " + "; or ".join(EXACT_CAUSES))
 
 
-def learned(noise: float | None, cap: float) -> Tolerance:
-    """The tolerance for a trainer whose uninterrupted runs differ by at most `noise`."""
+def learned(noise: float | None, cap: float, digests: tuple[str, ...] = ()) -> Tolerance:
+    """The tolerance for a trainer whose uninterrupted runs differ by at most `noise` in loss, and
+    agree on the state digests `digests`."""
     if noise is None:
-        return Tolerance(cap, None, cap)
+        return Tolerance(cap, None, cap, digests=digests)
     if noise == 0.0:
-        return Tolerance(0.0, 0.0, cap)
-    return Tolerance(min(cap, NOISE_MULTIPLE * noise), noise, cap)
+        return Tolerance(0.0, 0.0, cap, digests=digests)
+    return Tolerance(min(cap, NOISE_MULTIPLE * noise), noise, cap, digests=digests)
 
 
 def capped(cap: float, reason: str) -> Tolerance:

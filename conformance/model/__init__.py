@@ -1,3 +1,4 @@
 """The suite's vocabulary, which every layer above uses: crash points and schedules (`crash`), what a trainer
 process is given and what it did (`process`), the adapters that name a trainer (`adapters`), the fixed numbers and
-Hypothesis profiles (`settings`), and the typed evidence behind every verdict (`evidence`)."""
+Hypothesis profiles (`settings`), the typed evidence behind every verdict (`evidence`), and the digests
+of a trainer's state it may log beside its losses (`digest`)."""

@@ -120,6 +120,7 @@ class Determinism(Evidence):
     run_random_names: tuple[str, ...] = ()  # learned from the two runs
     divergence: str = ""                    # the first operation the runs differ at
     basis: str = ""                         # the learned tolerance, described (tolerance.Tolerance)
+    digests_left_out: tuple[str, ...] = ()  # state components logged whose digests differ between the runs
 
     def summary(self) -> str:
         diff = f"{self.max_abs_diff:.3g}" if self.max_abs_diff is not None else "n/a"
@@ -127,7 +128,9 @@ class Determinism(Evidence):
         ops = f"; operations differ: {self.divergence}" if self.divergence else \
             f"; same {self.operations} filesystem operations{names}"
         learned = f"; every resume is held to tolerance {self.basis}" if self.basis else ""
-        return f"two uninterrupted runs, {self.steps} steps, max |diff| {diff}{ops}{learned}"
+        left = (f"; state digests not compared (they differ between the two runs): {', '.join(self.digests_left_out)}"
+                if self.digests_left_out else "")
+        return f"two uninterrupted runs, {self.steps} steps, max |diff| {diff}{ops}{learned}{left}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -246,17 +246,43 @@ def read_attempts(loss_log: Path, rank: int, world_size: int) -> list[dict[int, 
     return attempts
 
 
-def read_losses(path: Path) -> dict[int, float]:
-    """Parse the loss log; a torn last line (the process was killed mid-write) is ignored."""
-    losses: dict[int, float] = {}
+STATE_KEY = "state"   # a loss-log line's optional {"component": "digest", ...} (docs/running.md, "State digests")
+RESTORED_KEY = "restored"   # on the first step k + 1 after a resume: the digests as it was about to train it
+
+
+class Curve(dict):
+    """A loss curve (step -> loss) and, where the trainer logs them, the digests of its state after
+    each step (`states`: step -> component -> digest). Comparisons read the digests from here, so
+    every check that compares curves compares states too (checks/digests.py)."""
+
+    def __init__(self, *args, states: dict[int, dict[str, str]] | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.states: dict[int, dict[str, str]] = states if states is not None else {}
+        # (k, digests): the state right after a resumed process's set-up, before it trains step k + 1
+        self.restored: tuple[int, dict[str, str]] | None = None
+
+
+def read_losses(path: Path) -> Curve:
+    """Parse the loss log; a torn last line (the process was killed mid-write) is ignored. A line's
+    `state` object, if any, gives that step's state digests (non-string digests are read as text)."""
+    losses = Curve()
     if not path.exists():
         return losses
     for line in path.read_text(errors="replace").splitlines():
         try:
             rec = json.loads(line)
-            losses[int(rec["step"])] = float(rec["loss"])
+            step = int(rec["step"])
+            losses[step] = float(rec["loss"])
         except (ValueError, KeyError, TypeError):
             continue
+        state = rec.get(STATE_KEY)
+        if isinstance(state, dict) and state:
+            losses.states[step] = {str(k): str(v) for k, v in state.items()}
+        else:
+            losses.states.pop(step, None)   # a step logged again (a restart in the same log) without digests
+        restored = rec.get(RESTORED_KEY)
+        if isinstance(restored, dict) and restored:
+            losses.restored = (step - 1, {str(k): str(v) for k, v in restored.items()})
     return losses
 
 

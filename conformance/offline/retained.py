@@ -53,11 +53,51 @@ def kept_after_commits(run: RecordedRun, own: dict[int, dict[str, bytes]] | None
     return out
 
 
+def kept_at_end(run: RecordedRun, own: dict[int, dict[str, bytes]] | None = None) -> tuple[int, ...]:
+    """The checkpoints present once the whole run is over: retention's outcome, whichever thread
+    ran it and whenever it landed."""
+    own = own_files(run) if own is None else own
+    replayer = Replayer()
+    for op in run.ops:
+        replayer.apply(op)
+    return tuple(s for s in sorted(own) if present(replayer.files, own[s]))
+
+
+def promised_beside(run: RecordedRun, damaged: int, own: dict[int, dict[str, bytes]]) -> tuple[int, ...]:
+    """The older checkpoints that must all still be there while the save after `damaged` is not
+    committed: of those kept right after `damaged`'s save ended, the newest k - 1, where k is how
+    many checkpoints the run holds at its end. (A retention pass that lands late, on a thread of its
+    own, may still delete one more older than those: it is not counted.)"""
+    k = len(kept_at_end(run, own))
+    kept = sorted((s for s in kept_after_commits(run, own).get(damaged, ()) if s != damaged), reverse=True)
+    return tuple(sorted(kept[:max(0, k - 1)]))
+
+
+def steady(run: RecordedRun, before: list[int]) -> list[int]:
+    """Those of the op indices `before` (inside saves) where retention is at its steady state: the
+    save they fall in follows a commit beside which retention kept as many older checkpoints as the
+    run holds at its end, less one. Only there can a trainer that deletes a restore point before
+    its new checkpoint commits be seen holding fewer than it promises."""
+    own = own_files(run)
+    k = len(kept_at_end(run, own))
+    kept = kept_after_commits(run, own)
+    full = {d for d, older in kept.items() if k > 1 and len([s for s in older if s != d]) >= k - 1}
+    wanted = {i for i in before if run.committed_before(i) in full}
+    out, replayer = [], Replayer()
+    for op in run.ops:   # leave out the states where the save in progress has committed already
+        if op.index in wanted and not present(replayer.files, own.get(run.ops[op.index].save, {})):
+            out.append(op.index)
+        replayer.apply(op)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class CompoundState:
     """A fault just before op `before`, then every own file of checkpoint `damaged` truncated to
     half its length. `promised`: the newest older checkpoint retention kept beside it (0: none);
-    `promised_intact`: whether the fault left it whole."""
+    `promised_intact`: whether the fault left it whole. `missing`: the checkpoints retention keeps
+    beside `damaged` (promised_beside) that are gone or damaged in this state although the save in
+    progress has not committed: restore points deleted early, even where an older one remains."""
 
     model: str                       # "kill" or "power" (powerloss's `data` model)
     before: int
@@ -67,6 +107,7 @@ class CompoundState:
     in_progress_whole: bool          # the interrupted save's own files are all final already
     files: tuple[str, ...]
     promised_intact: bool = True
+    missing: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
@@ -123,9 +164,10 @@ def compound_state(run: RecordedRun, model: str, before: int) -> tuple[CompoundS
     m = run.ops[before].save or None
     m = None if m == damaged else m      # the save in progress had committed: it is the one damaged
     whole = bool(m) and present(files, own.get(m, {}))
+    missing = () if not m or whole else tuple(s for s in promised_beside(run, damaged, own) if not present(files, own[s]))
     for p in own[damaged]:
         files[p] = files[p][: len(files[p]) // 2]
-    state = CompoundState(model, before, damaged, promised, m, whole, tuple(sorted(own[damaged])), intact)
+    state = CompoundState(model, before, damaged, promised, m, whole, tuple(sorted(own[damaged])), intact, missing)
     return state, files, dirs, links
 
 

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from conformance.model.adapters import load_object
+from conformance.model.digest import state_digest
 
 
 @dataclasses.dataclass
@@ -26,6 +27,7 @@ class RunContext:
 
     def __post_init__(self):
         self._log = None
+        self._restored: dict[str, str] | None = None
 
     @classmethod
     def from_env(cls) -> RunContext:
@@ -34,11 +36,30 @@ class RunContext:
                    int(e["CONFORMANCE_SAVE_EVERY"]), int(e["CONFORMANCE_SEED"]),
                    Path(e["CONFORMANCE_LOSS_LOG"]))
 
-    def log_step(self, step: int, loss: float) -> None:
-        """Append and flush `{"step": s, "loss": x}` before returning."""
+    def log_step(self, step: int, loss: float, state: dict[str, str] | None = None) -> None:
+        """Append and flush `{"step": s, "loss": x}` before returning; with `state` (digests of the
+        state after the step: ctx.state_digest(...)) as its "state"."""
+        record = {"step": int(step), "loss": float(loss)}
+        if state:
+            record["state"] = dict(state)
+        if self._restored is not None:
+            record["restored"], self._restored = self._restored, None
+        self._write(record)
+
+    def log_resumed(self, step: int, state: dict[str, str]) -> None:
+        """After restoring step `step`, right before training step + 1: the state's digests (sent
+        with step + 1's line, one line per step)."""
+        self._restored = dict(state)
+
+    @staticmethod
+    def state_digest(**components) -> dict[str, str]:
+        """conformance.contract.state_digest: `{name: digest}` of model, optimizer, rng=True, ..."""
+        return state_digest(**components)
+
+    def _write(self, record: dict) -> None:
         if self._log is None:
             self._log = open(self.loss_log, "a", buffering=1)
-        self._log.write(json.dumps({"step": int(step), "loss": float(loss)}) + "\n")
+        self._log.write(json.dumps(record) + "\n")
         self._log.flush()
 
 
