@@ -17,8 +17,9 @@ def _result(trial=0.08, states=1200.0, ci=60.0, power=1500.0, ranks=2.5, ranks_c
     return {"trial_vs_import": trial, "integrity_states_per_min": states, "ci_profile_seconds": ci,
             "power_loss_states_per_min": power, "script_trial_vs_import": trial,
             "multirank_trial_vs_single": ranks, "multirank_ci_profile_seconds": ranks_ci,
-            "multinode_trial_vs_bare_pair": nodes,
-            "targets_met": {"multirank_trial_vs_single": bench._met("multirank_trial_vs_single", ranks),
+            "multinode_trial_vs_bare_pair": nodes, "digest_cost": 0.03,
+            "targets_met": {"digest_cost": bench._met("digest_cost", 0.03),
+                            "multirank_trial_vs_single": bench._met("multirank_trial_vs_single", ranks),
                             "multinode_trial_vs_bare_pair": bench._met("multinode_trial_vs_bare_pair", nodes),
                             "multirank_ci_profile_seconds": bench._met("multirank_ci_profile_seconds", ranks_ci),
                             "trial_vs_import": bench._met("trial_vs_import", trial),
@@ -26,7 +27,8 @@ def _result(trial=0.08, states=1200.0, ci=60.0, power=1500.0, ranks=2.5, ranks_c
                             "integrity_states_per_min": bench._met("integrity_states_per_min", states),
                             "power_loss_states_per_min": bench._met("power_loss_states_per_min", power),
                             "ci_profile_seconds": bench._met("ci_profile_seconds", ci)},
-            "details": {"multirank_trial_s": 0.4, "multirank_trial_schedule": "fs:3@r1", "multirank_ci": None,
+            "details": {"digest_per_step_s": 0.0004, "digest_compare_per_curve_s": 0.00002,
+                        "multirank_trial_s": 0.4, "multirank_trial_schedule": "fs:3@r1", "multirank_ci": None,
                         "multinode_trial_s": 0.7, "multinode_trial_schedule": "save:6/5@node1",
                         "multinode_trial_vs_bare_pair_spread": [2.0, 2.6], "bare_pair_s": 0.3,
                         "bare_pair_stop_after": 6, "multinode_trial_vs_single": 4.4,
@@ -54,6 +56,8 @@ def test_targets_and_markdown_table():
             "bare 4-rank torchrun pair (stopped after step 6, resumed) 300 ms") in md
     assert bench._met("multinode_trial_vs_bare_pair", 2.0) and not bench._met("multinode_trial_vs_bare_pair", 2.01)
     assert "every fs op of a save covered: yes (121 states / 105 recorded ops)" in md
+    assert "| `digest_cost` | 0.0300 | <= 0.05 | yes | state digest 0.40 ms per step x 14 steps" in md
+    assert bench._met("digest_cost", 0.05) and not bench._met("digest_cost", 0.051)
 
 
 def test_replace_section_replaces_only_its_section(tmp_path):

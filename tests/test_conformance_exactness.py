@@ -102,8 +102,8 @@ def test_the_restored_digests_name_a_draw_made_during_set_up():
     resumed = _curve({10: 1.1}, {10: {"model": "B", "rng": "R"}}, restored=(9, {"model": "a", "rng": "r9+1"}))
     found = digests.first_state_mismatch(base, resumed, ("model", "rng"))
     assert found.at_setup and found.differs == ("rng",) and found.equal == ("model",)
-    cause = diagnosis._from_digests(found, 9)
-    assert cause.cause.startswith("RNG state changed between the restore and the first resumed step")
+    cause = diagnosis._from_digests(None, RunSpec(total_steps=14, save_every=3, seed=0), found, 0)
+    assert cause.cause.startswith("RNG state: not what the uninterrupted run had at step 9")
     assert "state digests the trainer logged" in cause.evidence[0]
 
 

@@ -8,8 +8,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+
+def median_time(fn, repeats: int) -> tuple[float, list[float]]:
+    """The median wall time of `repeats` calls of fn(), and every time."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
 
 
 def interleaved_trials(first, second, repeats: int) -> tuple[list[float], list[float]]:

@@ -10,9 +10,7 @@
   run covered every filesystem operation of a save (its crash_states evidence);
 - a 2-rank crash trial (the reference DDP trainer under torchrun, one rank killed inside the
   middle save) against the single-process warm trial, and the `ci` wall time for that trainer;
-- what the state digests cost (`digest_cost`): the bundled trainer's digest of its state after a
-  step and the suite's comparison of three 14-step curves with digests, per crash trial, as a
-  fraction of the warm trial's time (a trial logs about 14 steps over its processes);
+- what the state digests cost per warm trial (`digest_cost`, digests.py);
 - a 2-node x 2-rank crash trial (the same trainer as 4 ranks on two torchrun agents meeting
   through c10d rendezvous, node 1 lost inside the middle save) against what the same interruption
   costs by hand: a bare 4-rank torchrun job (fresh interpreters, untraced) stopped once it logged
@@ -45,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from ..report.readme import replace_section
-from .ab import ab, format_ab, interleaved_trials, spread
+from .ab import ab, format_ab, interleaved_trials, median_time, spread
+from .digests import digest_seconds
 
 TARGETS = {"trial_vs_import": ("<=", 0.1), "script_trial_vs_import": ("<=", 0.1),
            "integrity_states_per_min": (">=", 1000.0),
@@ -56,17 +55,8 @@ MULTIRANK_ADAPTER = "fixtures.ddp_trainer:ADAPTER"
 _MARKER = "<!-- conformance-bench -->"
 
 
-def _median_time(fn, repeats: int) -> tuple[float, list[float]]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times
-
-
 def bare_import_seconds(repeats: int) -> tuple[float, list[float]]:
-    return _median_time(lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True), repeats)
+    return median_time(lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True), repeats)
 
 
 class TrialTimer:
@@ -164,36 +154,10 @@ def trial_seconds(runner_kind: str, repeats: int, workdir: Path, *, script: bool
     """One crash trial's median time (see TrialTimer)."""
     timer = TrialTimer(runner_kind, workdir, script=script, multirank=multirank)
     try:
-        median, times = _median_time(timer.once, repeats)
+        median, times = median_time(timer.once, repeats)
         return median, times, str(timer.point)
     finally:
         timer.close()
-
-
-def digest_seconds(workdir: Path, rounds: int = 200) -> tuple[float, float]:
-    """(the bundled trainer's state digest after a step, the suite's comparison of one 14-step
-    curve with digests), each a median over `rounds` calls, in seconds."""
-    from fixtures.contract import RunConfig
-    from fixtures.reference_trainer import ReferenceTrainer
-
-    from ..checks.failures import loss_mismatches
-    from ..checks.tolerance import learned
-    from ..model import evidence
-    from ..model.digest import state_digest
-    from ..model.process import Curve
-
-    d = Path(tempfile.mkdtemp(prefix="digest-", dir=workdir))
-    trainer = ReferenceTrainer(RunConfig(d / "ckpt", 14, 0, 0, d / "loss.jsonl"))
-    batch = next(iter(trainer.sampler))
-    trainer.train_step(batch)           # Adam's moments exist: the optimizer state is full size
-    digest_s, _ = _median_time(lambda: state_digest(**trainer.state_components()), rounds)
-    one = state_digest(**trainer.state_components())
-    curve = Curve({s: float(s) for s in range(1, 15)}, states={s: dict(one) for s in range(1, 15)})
-    tol = learned(0.0, 1e-4, tuple(sorted(one)))
-    compare_s, _ = _median_time(lambda: loss_mismatches(curve, curve, tol), rounds)
-    evidence.take()                     # the comparisons recorded nothing a test should see
-    shutil.rmtree(d, ignore_errors=True)
-    return digest_s, compare_s
 
 
 def states_per_minute(workdir: Path) -> tuple[float, int, float]:
@@ -303,8 +267,7 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
         "multirank_trial_vs_single": statistics.median(pair_ratios),
         "multirank_ci_profile_seconds": ranks_ci["seconds"] if ranks_ci else None,
         "multinode_trial_vs_bare_pair": statistics.median(node_ratios),
-        # A trial logs about 14 steps over its processes (each with a digest) and compares 3 curves.
-        "digest_cost": (14 * digest_s + 3 * compare_s) / warm_s,
+        "digest_cost": (14 * digest_s + 3 * compare_s) / warm_s,   # a trial: ~14 steps logged, 3 curves compared
         "details": {
             "digest_per_step_s": digest_s, "digest_compare_per_curve_s": compare_s,
             "multinode_trial_s": statistics.median(nodes_all), "multinode_trial_schedule": nodes_point,
@@ -381,10 +344,9 @@ def format_markdown(r: dict[str, Any], command: str) -> str:
                  f"bare 4-rank torchrun pair (stopped after step {d['bare_pair_stop_after']}, resumed) "
                  f"{d['bare_pair_s'] * 1000:.0f} ms, alternating; median of the per-pair ratios, spread "
                  f"{lo:.2f}..{hi:.2f} ({d['multinode_trial_vs_single']:.1f}x the single-process warm trial)"))
-    rows.append(("`digest_cost`", f"{r['digest_cost']:.4f}", "<= 0.05",
-                 f"state digest {d['digest_per_step_s'] * 1e3:.2f} ms per step x 14 steps + comparing a 14-step "
-                 f"curve's digests {d['digest_compare_per_curve_s'] * 1e3:.3f} ms x 3 curves, per warm trial of "
-                 f"{d['warm_trial_s'] * 1000:.0f} ms"))
+    rows.append(("`digest_cost`", f"{r['digest_cost']:.4f}", "<= 0.05", f"state digest {d['digest_per_step_s'] * 1e3:.2f} "
+                 f"ms per step x 14 steps + a 14-step curve's comparison {d['digest_compare_per_curve_s'] * 1e3:.3f} ms "
+                 f"x 3, per warm trial of {d['warm_trial_s'] * 1000:.0f} ms"))
     met = r["targets_met"]
     lines = ["| measure | value | target | met | how |", "|---|---:|---:|:---:|---|"]
     for (name, value, target, how), key in zip(rows, TARGETS):

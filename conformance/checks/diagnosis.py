@@ -113,7 +113,7 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
     tol = tolerance.value
     found = first_state_mismatch(base, resumed, tolerance.digests)
     if found is not None:
-        return _from_digests(found, resumed_from)
+        return _from_digests(session, spec, found, resumed_from)
     ref = _reference(session, spec)
     if ref is None or loss_mismatches(base, ref, tol):
         return Diagnosis("cannot tell", ("an uninterrupted run that saves at every step does not reproduce the "
@@ -197,19 +197,34 @@ def diagnose(session: Session, spec: RunSpec, resumed_from: int, resumed: dict[i
     return Diagnosis("cannot tell", tuple(evidence))
 
 
-def _from_digests(found: StateMismatch, resumed_from: int) -> Diagnosis:
-    """The cause the trainer's own state digests show, with that comparison as its evidence."""
-    what = " and ".join(found.differs)
-    seen = (f"state digests the trainer logged: {found.describe()}" + (f" (the resume was from step {resumed_from})"
-                                                                       if resumed_from > 0 else ""),)
-    if found.at_setup and found.differs == ("rng",):
-        return Diagnosis("RNG state changed between the restore and the first resumed step: the checkpoint held the "
-                         "uninterrupted run's generators, and the set-up after loading it drew from them or seeded "
-                         "them again (creating a DataLoader iterator draws its base seed from the global torch "
-                         "generator; a seed_everything() after the load re-seeds)", seen)
-    if found.at_setup:
-        return Diagnosis(f"{what} state is not what the checkpoint held by the time the resumed process trains: not "
-                         "restored, kept at a lower precision than it is trained in, or changed by the set-up after "
-                         "the load", seen)
-    return Diagnosis(f"{what} state: restored differently or not at all (the components named equal were restored "
-                     "exactly)", seen)
+COMPONENTS = {"model": "model state (parameters or buffers)", "optimizer": "optimizer state",
+              "scheduler": "LR scheduler state", "rng": "RNG state", "data": "the data position"}
+
+
+def _from_digests(session: Session, spec: RunSpec, found: StateMismatch, resumed_from: int) -> Diagnosis:
+    """The cause the trainer's own state digests show, with that comparison (and, for the RNG
+    right after set-up, the seed experiment that tells re-seeding from a draw) as its evidence."""
+    what = " and ".join(COMPONENTS.get(c, f"{c} state") for c in found.differs)
+    seen = [f"state digests the trainer logged: {found.describe()}" + (f" (the resume was from step {resumed_from})"
+                                                                       if resumed_from > 0 else "")]
+    if not found.at_setup:
+        return Diagnosis(f"{what}: restored differently or not at all (the components named equal were restored "
+                         "exactly)", tuple(seen))
+    if found.differs == ("rng",) and 0 < resumed_from < spec.total_steps:
+        same = _stop_and_resume(session, spec, resumed_from, spec.seed)
+        other = _stop_and_resume(session, spec, resumed_from, spec.seed + 1)
+        if same is not None and other is not None:
+            seeded = bool(loss_mismatches(same.losses, other.losses, session.tolerance(spec).value))
+            seen.append(f"resumed from step {resumed_from} with CONFORMANCE_SEED={spec.seed + 1} instead of "
+                        f"{spec.seed}: the losses " + ("change" if seeded else "do not change"))
+            if seeded:
+                return Diagnosis("RNG state: a random generator is re-seeded from CONFORMANCE_SEED on resume instead "
+                                 "of restored from the checkpoint (not saved, not restored, or seeded again after the "
+                                 "load)", tuple(seen))
+            return Diagnosis("RNG state, right after the resumed process's set-up and not through the seed: a "
+                             "generator not restored, or drawn from between the restore and the first step (creating "
+                             "a DataLoader iterator after the load draws its base seed from the global torch "
+                             "generator)", tuple(seen))
+    return Diagnosis(f"{what}: not what the uninterrupted run had at step {found.step} by the time the resumed "
+                     "process trains: not saved or not restored, kept at a lower precision than it is trained in, "
+                     "or changed by the set-up after the load", tuple(seen))

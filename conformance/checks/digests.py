@@ -28,7 +28,7 @@ class StateMismatch:
         same = f"; {', '.join(self.equal)} equal" if self.equal else ""
         if self.at_setup:
             return (f"{what} state differs right after the resumed process's set-up, before it trains step "
-                    f"{self.step + 1} (the checkpoint of step {self.step} holds the uninterrupted run's){same}")
+                    f"{self.step + 1} (compared with the uninterrupted run's after step {self.step}){same}")
         return f"{what} state differs after resume at step {self.step}{same}"
 
 
