@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,23 +68,13 @@ def rng_state() -> dict[str, Any]:
 
 
 def _feed(h, value: Any) -> None:
-    """Write a tagged, unambiguous encoding of `value` into the hash `h`."""
-    if hasattr(value, "state_dict") and callable(value.state_dict) and not isinstance(value, type):
-        h.update(b"S")
-        _feed(h, value.state_dict())
-        return
-    if value is None or isinstance(value, bool):
-        h.update(b"N" if value is None else (b"T" if value else b"F"))
-        return
-    if isinstance(value, int):
-        h.update(b"i" + str(value).encode() + b";")
-        return
-    if isinstance(value, float):
-        h.update(b"f" + struct.pack("<d", value))
-        return
-    if isinstance(value, (str, bytes, bytearray)):
-        raw = value.encode() if isinstance(value, str) else bytes(value)
-        h.update((b"s" if isinstance(value, str) else b"b") + struct.pack("<Q", len(raw)) + raw)
+    """Write a tagged, unambiguous encoding of `value` into the hash `h`. The common kinds of a
+    state dict (tensors, dicts, numbers) are tried first: a digest runs after every step."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(b"t%b:%b;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
         return
     if isinstance(value, Mapping):
         # Keys in a fixed order whatever the insertion order (optimizer state is keyed by ints).
@@ -94,8 +85,21 @@ def _feed(h, value: Any) -> None:
             _feed(h, v)
         h.update(b"}")
         return
+    if value is None or isinstance(value, bool):
+        h.update(b"N" if value is None else (b"T" if value else b"F"))
+        return
+    if isinstance(value, int):
+        h.update(b"i%d;" % value)
+        return
+    if isinstance(value, float):
+        h.update(b"f" + struct.pack("<d", value))
+        return
+    if isinstance(value, (str, bytes, bytearray)):
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        h.update((b"s" if isinstance(value, str) else b"b") + struct.pack("<Q", len(raw)) + raw)
+        return
     if isinstance(value, (list, tuple)):
-        if value and all(type(v) is int for v in value):   # a generator's state (Python's: 625 ints), at once
+        if value and set(map(type, value)) == {int}:   # a generator's state (Python's: 625 ints), at once
             h.update(b"I" + repr(list(value)).encode())
             return
         h.update(b"[" + struct.pack("<Q", len(value)))
@@ -103,22 +107,19 @@ def _feed(h, value: Any) -> None:
             _feed(h, v)
         h.update(b"]")
         return
-    kind = type(value).__module__.split(".")[0]
-    if kind == "torch":
-        import torch
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            h.update(b"t" + str(t.dtype).encode() + b":" + str(tuple(t.shape)).encode() + b";")
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-            return
-        if isinstance(value, (torch.dtype, torch.device, torch.Size)):
-            _feed(h, str(value))
-            return
-    if kind == "numpy":
+    if hasattr(value, "state_dict") and callable(value.state_dict) and not isinstance(value, type):
+        h.update(b"S")
+        _feed(h, value.state_dict())
+        return
+    if torch is not None and isinstance(value, (torch.dtype, torch.device, torch.Size)):
+        _feed(h, str(value))
+        return
+    if type(value).__module__.split(".")[0] == "numpy":
         import numpy as np
         if isinstance(value, np.ndarray):
             a = np.ascontiguousarray(value)
-            h.update(b"a" + a.dtype.str.encode() + b":" + str(a.shape).encode() + b";" + a.tobytes())
+            h.update(b"a%b:%b;" % (a.dtype.str.encode(), str(a.shape).encode()))
+            h.update(a.reshape(-1).view(np.uint8))
             return
         if isinstance(value, np.generic):
             _feed(h, value.item() if value.dtype.kind in "biuf" else str(value))
