@@ -120,3 +120,11 @@ def test_a_restore_point_deleted_before_the_commit_fails_even_with_an_older_fall
     assert problem and "the checkpoint(s) of step 3" in problem and "fewer restore points" in problem
     whole = CompoundState("kill", 68, 9, 6, 12, False, ("step-9/index.json",), True, ())
     assert compound.judge(whole, 0, {10: 1.0}, 6, {10: 1.0}, learned(0.0, 1e-4), 10, lambda r, l: False) is None
+
+
+def test_a_restore_proven_exact_leaves_the_later_steps_to_the_losses():
+    base = _curve({9: 0.5, 10: 1.0}, {9: {"model": "a"}, 10: {"model": "b"}})
+    later = _curve({10: 1.0}, {10: {"model": "b'"}}, restored=(9, {"model": "a"}))
+    assert digests.first_state_mismatch(base, later, ("model",)) is None
+    unproven = _curve({10: 1.0}, {10: {"model": "b'"}})
+    assert digests.first_state_mismatch(base, unproven, ("model",)).differs == ("model",)

@@ -32,9 +32,12 @@ from fixtures.reference_trainer import ReferenceTrainer
 
 
 def main(ckpt_dir, max_steps, save_every, seed, on_step):
-    class Log:
-        def log(self, step, loss):
+    class Log:   # the bundled trainer's LossLog, reporting to on_step (its state digests dropped)
+        def log(self, step, loss, metric=None, state=None):
             on_step(step, loss)
+
+        def resumed(self, step, state):
+            pass
     import fixtures.reference_trainer as rt
     rt.LossLog = lambda path: Log()
     return ReferenceTrainer(RunConfig(Path(ckpt_dir), max_steps, save_every, seed, Path("unused"))).run()

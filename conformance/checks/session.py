@@ -29,6 +29,12 @@ from .failures import ConformanceFailure, fail, format_mismatches, loss_mismatch
 from .tolerance import Tolerance, learned
 
 SCRATCH_MIN_FREE = 2 << 30
+# Two uninterrupted runs of a job start alike, so they agree bit for bit; a resumed job of more than
+# two ranks sums its gradients in another order on its first steps (DDP rebuilds its buckets after the
+# first backward), and a + b + c differs from a + c + b in the last bit. Measured: fixtures.ddp_trainer
+# as 4 ranks on 2 nodes, bitwise-equal uninterrupted runs, resumes 1e-16 off. Two ranks add in one order.
+MANY_RANKS = ("a job of more than two ranks reduces its gradients in another order after any restart, so its "
+              "resumes need not be bitwise equal even where its uninterrupted runs are")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +261,8 @@ class Session:
                           + lined_up.divergence.describe("run 1", "run 2"))
         noise = run_noise(base, again)
         tolerance = learned(None if losses else noise, self.cap, comparable_digests(base, again))
+        if spec.world_size > 2 and tolerance.exact:
+            tolerance = dataclasses.replace(tolerance, value=self.cap, reason=MANY_RANKS)
         logged = {n for curve in (base.result.rank_losses or (base.losses,)) for d in getattr(curve, "states", {}).values()
                   for n in d}
         numbers = evidence.Determinism(
