@@ -51,14 +51,13 @@ def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: 
     comparison passes a Tolerance (session.tolerance): it is recorded as the test's evidence; a bare
     number is an experiment's comparison, not recorded."""
     bad = Mismatches()
-    worst, bound = None, tol.value if isinstance(tol, Tolerance) else tol
+    bound = tol.value if isinstance(tol, Tolerance) else tol
     for step in sorted(resumed):
         expected = baseline.get(step)
         if expected is None:
             bad.append((step, None, resumed[step], float("inf")))
             continue
         diff = abs(resumed[step] - expected)
-        worst = diff if worst is None or not diff <= worst else worst
         if not diff <= bound:  # NaN counts as a mismatch
             bad.append((step, expected, resumed[step], diff))
     if isinstance(tol, Tolerance):
@@ -70,7 +69,7 @@ def loss_mismatches(baseline: dict[int, float], resumed: dict[int, float], tol: 
             expected = baseline.get(step)
             bad.append((step, expected, resumed[step], float("inf") if expected is None else abs(resumed[step] - expected)))
         if resumed:
-            evidence.compared(len(resumed), worst, tol.value, tol.describe(), tol.exact)
+            evidence.compared(len(resumed), max_abs_diff(baseline, resumed), tol.value, tol.describe(), tol.exact)
     return bad
 
 

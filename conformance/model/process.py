@@ -250,6 +250,20 @@ STATE_KEY = "state"   # a loss-log line's optional {"component": "digest", ...} 
 RESTORED_KEY = "restored"   # on the first step k + 1 after a resume: the digests as it was about to train it
 
 
+def loss_record(step: int, loss: float, *, metric: float | None = None, state: dict[str, str] | None = None,
+                restored: dict[str, str] | None = None) -> dict:
+    """One loss-log line as read_losses reads it: the step, its loss, and the optional metric, state
+    digests and (on the first step after a resume) the digests right after set-up."""
+    record = {"step": int(step), "loss": float(loss)}
+    if metric is not None:
+        record["metric"] = float(metric)
+    if state:
+        record[STATE_KEY] = dict(state)
+    if restored:
+        record[RESTORED_KEY] = dict(restored)
+    return record
+
+
 class Curve(dict):
     """A loss curve (step -> loss) and, where the trainer logs them, the digests of its state after
     each step (`states`: step -> component -> digest). Comparisons read the digests from here, so

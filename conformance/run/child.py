@@ -13,6 +13,7 @@ from pathlib import Path
 
 from conformance.model.adapters import load_object
 from conformance.model.digest import state_digest
+from conformance.model.process import loss_record
 
 
 @dataclasses.dataclass
@@ -39,12 +40,8 @@ class RunContext:
     def log_step(self, step: int, loss: float, state: dict[str, str] | None = None) -> None:
         """Append and flush `{"step": s, "loss": x}` before returning; with `state` (digests of the
         state after the step: ctx.state_digest(...)) as its "state"."""
-        record = {"step": int(step), "loss": float(loss)}
-        if state:
-            record["state"] = dict(state)
-        if self._restored is not None:
-            record["restored"], self._restored = self._restored, None
-        self._write(record)
+        restored, self._restored = self._restored, None
+        self._write(loss_record(step, loss, state=state, restored=restored))
 
     def log_resumed(self, step: int, state: dict[str, str]) -> None:
         """After restoring step `step`, right before training step + 1: the state's digests (sent
