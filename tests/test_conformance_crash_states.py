@@ -1,6 +1,7 @@
 """Crash states rebuilt offline: parsing a recording, replaying it, judging a resumed probe."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -112,6 +113,12 @@ def test_probes_and_judgement():
     assert "loaded incomplete state" in judge_state(state, _result(0, {4: 1.5}), base, RunSpec(4, 3, 0), 1e-4)
     assert resumed_past(_result(0, {})) and not resumed_past(_result(3, {}))
     assert "without training" in judge_state(state, _result(0, {}), base, RunSpec(7, 3, 0), 1e-4)
+    # The run's final save, its files all in place (a manifest's directory fsync still to come):
+    # nothing is left to train, and that is right.
+    final = CrashState(10, False, "kill before op #10", newest_committed=12, in_progress=14, save_complete=True)
+    assert judge_state(final, _result(0, {}), base, RunSpec(14, 3, 0), 1e-4) is None
+    unfinished = dataclasses.replace(final, save_complete=False)
+    assert "without training" in judge_state(unfinished, _result(0, {}), base, RunSpec(14, 3, 0), 1e-4)
 
 
 @pytest.mark.needs_strace

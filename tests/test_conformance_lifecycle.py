@@ -12,6 +12,7 @@ from conformance.faults.injection import FaultOutcome
 from conformance.model.process import ProcessResult
 from conformance.offline import retained
 from conformance.trace.recording import Op, RecordedRun
+from conformance.trace.strace import Syscall
 from tests.strategies import judged_fixture, never_plain, resumed_curve
 
 SPEC, BASELINE, POINT, KILL = judged_fixture()
@@ -118,6 +119,29 @@ def test_retention_that_deletes_after_the_commit_promised_the_older_checkpoint()
     run = _run(_save(3) + _save(6) + _save(9, prune=3))
     assert retained.kept_after_commits(run) == {3: (), 6: (3,), 9: (6,)}
     assert set(retained.own_files(run)[6]) == {"ckpt-6.pt"}   # `latest` is every save's: it tells nothing
+
+
+def _threaded(ops: list[tuple], tid_of) -> RecordedRun:
+    """`_run`, each removal marked as retention after the save it follows, made by thread
+    `tid_of(op)`; the training thread (1) logs the steps."""
+    run = _run(ops)
+    ops = tuple(Op(o.index, o.kind, o.path, target=o.target, data=o.data, save=0 if o.kind == "unlink" else o.save,
+                   retention=o.save if o.kind == "unlink" else 0, after_step=o.after_step, flags=o.flags, tid=tid_of(o))
+                for o in run.ops)
+    return RecordedRun(SPEC, run.result, run.ckpt_dir, ops, {9: Syscall(0, 1, "write", 1, (), "1")}, frozenset())
+
+
+def test_a_removal_on_a_background_thread_is_never_promised_against():
+    # keep 2 on a purge thread (torchtitan): which commit set it going cannot be seen, so the
+    # checkpoint it removes is not one the save after it must leave in place.
+    ops = _save(3) + _save(6) + _save(9, prune=3) + _save(12, prune=6)
+    background = _threaded(ops, lambda o: 2 if o.kind == "unlink" else 1)
+    assert retained.removed_in_background(background, retained.own_files(background)) == {3, 6}
+    assert retained.promised_beside(background, 9, retained.own_files(background)) == ()
+    # The same retention on the training thread, before the save it makes room for, is caught.
+    early = _threaded(_save(3) + _save(6) + _save(9, prune=3, prune_first=True), lambda o: 1)
+    assert retained.promised_beside(early, 6, retained.own_files(early)) == (3,)
+    assert retained.steady_count(early, retained.own_files(early)) == 2
 
 
 def test_a_kill_after_an_early_prune_leaves_the_promised_checkpoint_missing():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conformance.model.process import ProcessResult, RunSpec
-from conformance.trace import alignment, recording, strace
+from conformance.trace import alignment, recording, saves, strace
 
 TRACE = """\
 100  write(1</dev/pts/0>, "hello\\n", 6) = 6
@@ -67,12 +67,14 @@ def test_save_windows_and_committed_before():
                + '100  write(7</other/loss.jsonl>, "{\\"step\\": 2, \\"loss\\": 0.4}\\n", 27) = 27\n'
                + '100  unlink("/ck/a") = 0\n', losses={1: 0.5, 2: 0.4})
     windows = run.windows()
-    assert sorted(windows) == [0, 1, 2]
-    write_x, unlink_a = windows[1][0], windows[2][0]
+    # Removing a file no save made, after save 1: the retention pass after save 1, no save of its own.
+    assert sorted(windows) == [0, 1]
+    write_x, unlink_a = windows[1][0], windows[0][-1]
     assert run.committed_before(write_x) == 0 and run.in_progress(write_x) == 1
-    assert run.committed_before(unlink_a) == 1 and run.in_progress(unlink_a) == 2
+    assert run.committed_before(unlink_a) == 1 and run.in_progress(unlink_a) is None
     assert run.committed_by_step(1) == 1 and run.committed_by_step(0) == 0
-    assert run.role(unlink_a) == "unlink #1 of the save of step 2"
+    assert run.role(unlink_a) == "unlink #1 of the retention pass after the save of step 1"
+    assert str(saves.name_point(run, run.mutations.index(unlink_a))) == "retention:1/1"
     assert sorted(run.step_logs) == [1, 2]
 
 

@@ -81,6 +81,20 @@ def test_markdown_summary_has_verdict_table_and_failure_details():
     assert "Plot: `/x/p.png`" in md and "version 1.2" in md and "profile `ci`" in md
 
 
+def test_retention_whose_outcome_varies_is_a_warning_that_fails_nothing(tmp_path):
+    varies = "run 1 kept the checkpoints of steps 6, 9, 12, 14; run 2 kept 9, 12, 14"
+    case = report.Case("determinism_precondition", "n::a", "passed", evidence=[evidence.Determinism(
+        spec="total_steps=14", exit_codes=(0, 0), steps=14, max_abs_diff=0.0, tolerance=0.0, retention_varies=varies)])
+    found = report.environment(report.AdapterInfo("t", "m:A", "", ()), "ci", [case])
+    assert not found.failed and found.warnings == [found.warnings[0]] and varies in found.warnings[0]
+    assert f"**Warning**: retention's outcome varies between two uninterrupted runs (total_steps=14): {varies}" \
+        in report.render_markdown(found)
+    json_path, _ = report.write_report(found, tmp_path / "rep")
+    assert json.loads(json_path.read_text())["warnings"] == found.warnings
+    assert report.load_report(json_path).warnings == found.warnings
+    assert "retention's outcome varies" in case.evidence[0].summary()
+
+
 def test_report_command_renders_saved_report_and_exits_1_on_failures(tmp_path):
     json_path, _ = report.write_report(_sample_report(), tmp_path / "rep")
     proc = subprocess.run([sys.executable, "-m", "conformance", "report", str(json_path)],

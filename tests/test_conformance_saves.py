@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from conformance.model.crash import CrashPoint
 from conformance.model.process import ProcessResult, RunSpec
-from conformance.trace import alignment, recording, strace
+from conformance.trace import alignment, recording, saves, strace
 
 ROOT, LOG = Path("/ck"), Path("/other/loss.jsonl")
 MAIN = 100
@@ -133,14 +136,15 @@ def test_a_commit_the_main_thread_makes_at_the_next_save_step_belongs_to_the_sav
     lines += [f'{MAIN}  unlink("/ck/ckpt-0-old") = 0'] + staged_save(4, MAIN, fd=4) + commit(4, MAIN) + [log(5), log(6)]
     run = build(lines, total=6, every=2)
     assert [(k, s) for k, s, _ in saves_of(run)] == [
-        ("mkdir", 2), ("create", 2), ("write", 2), ("fsync", 2), ("rename", 2), ("fsync", 2), ("unlink", 2),
+        ("mkdir", 2), ("create", 2), ("write", 2), ("fsync", 2), ("rename", 2), ("fsync", 2), ("unlink", 0),
         ("mkdir", 4), ("create", 4), ("write", 4), ("fsync", 4), ("rename", 4), ("fsync", 4)]
+    # Removing a checkpoint from before the run is retention, in the pass of step 4's window: no save's.
+    assert [run.ops[i].retention for i in run.mutations if run.ops[i].kind == "unlink"] == [4]
     assert run.committed_by_step(3) == 0 and run.committed_by_step(4) == 4
 
 
 def test_a_step_kill_while_a_save_is_in_flight_allows_that_save_too():
     from conformance.faults.scenario import plan
-    from conformance.model.crash import CrashPoint
     run = build(in_flight_run())
     assert [run.in_flight_by_step(k) for k in range(1, 10)] == [None, None, 3, 3, 3, 6, 6, 6, None]
     kill = plan(CrashPoint("step", 4), run)            # logging step 5: save 3 commits after it, or before
@@ -150,7 +154,6 @@ def test_a_step_kill_while_a_save_is_in_flight_allows_that_save_too():
 
 def test_a_crash_point_named_by_its_save_and_thread_replays_the_same_operation_however_threads_interleave():
     from conformance.faults.scenario import plan
-    from conformance.model.crash import CrashPoint
     from conformance.trace.saves import name_point
     retention = f'{MAIN}  unlink("/ck/ckpt-0-old") = 0'
     staged = staged_save(3, 200)
@@ -177,7 +180,6 @@ def test_an_fs_point_names_the_same_operation_when_another_process_takes_the_fir
     fork server that did that work before the fork shifts them. Measured: one fresh process's
     ordinal 12 was a mkdir of the save of step 9, the warm one's a write of the save of step 6."""
     from conformance.faults.scenario import plan
-    from conformance.model.crash import CrashPoint
     from conformance.trace.saves import name_point
     retention = f'{MAIN}  unlink("/ck/ckpt-0-old") = 0'
     trainer = [retention, log(1), log(2), log(3)] + staged_save(3, MAIN) + commit(3, MAIN) + [log(4), log(5), log(6)]
@@ -200,7 +202,6 @@ def test_a_rank_killed_as_it_logs_a_save_step_that_rank_0_alone_writes_allows_th
     next waits for rank 1 (the soak found this resume called lost work). A save rank 1 writes part of
     is not allowed before rank 1 finished its part."""
     from conformance.faults.scenario import plan
-    from conformance.model.crash import CrashPoint
     spec = RunSpec(6, 3, 0, world_size=2)
 
     def rank_lines(rank: int, writes: bool) -> list[str]:
@@ -232,3 +233,59 @@ def test_a_rank_killed_as_it_logs_a_save_step_that_rank_0_alone_writes_allows_th
     assert plan(CrashPoint("step", 4, rank=1), replicated).allowed_resumes() == {3}   # step 5: no save
     sharded = job(rank1_writes=True)
     assert plan(CrashPoint("step", 5, rank=1), sharded).allowed_resumes() == {3}   # rank 1's part of save 6 not written
+
+
+def purge(step: int, tid: int) -> list[str]:
+    """A purge thread removing the checkpoint of `step` (shutil.rmtree: unlink, then rmdir)."""
+    return [f'{tid}  unlinkat(AT_FDCWD</run>, "/ck/ckpt-{step}/model", 0) = 0',
+            f'{tid}  rmdir("/ck/ckpt-{step}") = 0']
+
+
+def purged_run(late: int = 0) -> list[str]:
+    """Saves at 3, 6, 9 on the main thread; a purge thread (300) removes ckpt-3 after save 9 was
+    committed, `late` log lines after step 9 (torchtitan's keep_latest_k=2)."""
+    lines = [log(1), log(2), log(3)] + staged_save(3, MAIN) + commit(3, MAIN) + [log(4), log(5), log(6)]
+    lines += staged_save(6, MAIN, fd=4) + commit(6, MAIN) + [log(7), log(8), log(9)] + staged_save(9, MAIN, fd=5)
+    lines += commit(9, MAIN)
+    after = [log(10), log(11)]
+    return lines + after[:late] + purge(3, 300) + after[late:]
+
+
+def test_a_background_thread_removing_an_older_checkpoint_is_retention_never_a_save():
+    for late in (0, 1, 2):   # steps 10 and 11 are no save steps: however late the purge lands
+        run = build(purged_run(late), total=11)
+        assert run.saves() == [3, 6, 9]
+        removals = [i for i in run.mutations if run.ops[i].kind in ("unlink", "rmdir")]
+        assert [(run.ops[i].save, run.ops[i].retention) for i in removals] == [(0, 9), (0, 9)]
+        assert [str(saves.name_point(run, run.mutations.index(i))) for i in removals] == ["retention:9/1", "retention:9/2"]
+        assert run.role(removals[1]) == "rmdir #2 of the retention pass after the save of step 9"
+        assert run.committed_before(removals[0]) == 9
+        point = saves.locate_point(run, CrashPoint.parse("retention:9/2"))
+        assert run.mutations[point] == removals[1]
+
+
+def test_when_retention_lands_is_no_difference_between_runs_what_it_leaves_is():
+    a, b = build(purged_run(0), total=11), build(purged_run(2), total=11)
+    assert alignment.align(a, b).divergence is None
+    assert alignment.retention_outcome(a, b) == ""
+    assert a.kept == {3: "removed", 6: "kept", 9: "kept"}
+    kept_all = build(purged_run(0)[:-len(purge(3, 300)) - 2] + [log(10), log(11)], total=11)
+    assert alignment.retention_outcome(a, kept_all) == "run 1 kept the checkpoints of steps 6, 9; run 2 kept 3, 6, 9"
+
+
+def test_removing_a_pointer_that_the_same_save_makes_again_is_part_of_the_save():
+    lines = [log(1), log(2), log(3)] + staged_save(3, MAIN) + commit(3, MAIN)
+    lines += [f'{MAIN}  symlink("ckpt-3", "/ck/latest") = 0', log(4), log(5), log(6)] + staged_save(6, MAIN, fd=4)
+    lines += commit(6, MAIN) + [f'{MAIN}  unlink("/ck/latest") = 0', f'{MAIN}  symlink("ckpt-6", "/ck/latest") = 0']
+    run = build(lines + [log(7)], total=7)
+    unlink = next(i for i in run.mutations if run.ops[i].kind == "unlink")
+    assert (run.ops[unlink].save, run.ops[unlink].retention) == (6, 0)
+
+
+def test_a_retention_point_is_written_and_read_back():
+    point = CrashPoint.parse("retention:9/2@r1")
+    assert (point.kind, point.index, point.op, point.rank) == ("retention", 9, 2, 1)
+    assert str(point) == "retention:9/2@r1"
+    for bad in ("retention:9", "retention:9/t1/2", "retention:0/1"):
+        with pytest.raises(ValueError, match="retention"):
+            CrashPoint.parse(bad)

@@ -46,6 +46,23 @@ def test_suite_verdicts_match_the_recorded_findings(run_suite, library):
     _assert_verdicts(library, trainer.EXPECTED, verdicts, out)
 
 
+@pytest.mark.parametrize("configuration", ["DEFAULT", "HARDENED_ASYNC", "HARDENED_ASYNC_2RANKS"])
+def test_torchtitan_verdicts_match_the_recorded_findings(run_suite, configuration):
+    """torchtitan's own CheckpointManager: its default configuration fails only where torchtitan or
+    DCP is at fault, and the hardened one (docs/real-trainers.md) passes every check; async saves
+    with a background purge thread among them."""
+    pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is not installed (pip install "
+                        "resume-conformance[torchtitan], or the --no-deps line in docs/real-trainers.md)")
+    from fixtures.real import torchtitan_trainer
+    adapter = getattr(torchtitan_trainer, configuration)
+    if not NP126_PYTHON.exists():
+        pytest.skip(f"no numpy 1.26 interpreter at {NP126_PYTHON} for upgrade_resume (.ci/run makes one)")
+    hang = [HANG_TIMEOUT] if adapter.world_size > 1 else []
+    verdicts, out = run_suite(f"--adapter={adapter.spec}", "--hypothesis-profile=quick", f"--resume-python={NP126_PYTHON}",
+                              *hang)
+    _assert_verdicts(adapter.name, torchtitan_trainer.EXPECTED[adapter.name], verdicts, out)
+
+
 @pytest.mark.needs_extra("transformers")   # the suite's own interpreter resumes with transformers 5.x
 def test_transformers_4_verdicts_match_the_recorded_findings(run_suite):
     if not HF4_PYTHON.exists():

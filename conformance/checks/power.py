@@ -20,7 +20,7 @@ from ..offline.crash_states import CrashState, distinct, probe_specs, same_direc
 from ..offline.unseen import DirectoryView
 from ..trace.recording import UnreplayableTrace
 from .common import resumed_from
-from .failures import loss_mismatches, stderr_tail
+from .failures import CheckNotApplicable, loss_mismatches, stderr_tail
 from .session import Session
 from .states import MAX_STATE_FAILURES, decide_states, looked_at, observed_run, resumed_past
 from .tolerance import Tolerance
@@ -78,7 +78,10 @@ def power_states(session: Session, spec: RunSpec, model: str) -> tuple[list[Powe
     return states, cuts
 
 
-def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[int, float], tol: Tolerance) -> str | None:
+def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[int, float], tol: Tolerance,
+                      last: int) -> str | None:
+    """None if the trainer resumed correctly after this power cut, else what went wrong (`last`: the
+    probe's final step)."""
     c = state.completed
     durable = (f"the save of step {c} had completed (step {c + 1} was logged) before the power cut"
                + (f"; {state.lost}" if state.lost else ""))
@@ -90,6 +93,8 @@ def judge_power_state(state: PowerState, result: ProcessResult, baseline: dict[i
             return f"{durable}, and the trainer could not resume (exit {result.returncode})"
         return None if result.stderr.strip() else f"the trainer exited {result.returncode} without a message"
     if result.first_step is None:
+        if max(state.intact, default=0) >= last:
+            return None   # the final step's checkpoint is intact: nothing is left to train
         return "the trainer exited 0 without training: it resumed from a step later than any checkpoint on disk"
     resumed = result.first_step - 1
     if resumed < c:
@@ -117,7 +122,7 @@ def decide_power_state(session: Session, spec: RunSpec, state: PowerState, cut: 
         named.append(more)
         if not resumed_past(result):
             break
-    problem = judge_power_state(state, result, run.losses, session.tolerance(spec))
+    problem = judge_power_state(state, result, run.losses, session.tolerance(spec), probe.total_steps)
     if problem and result.returncode == 0 and result.first_step and result.first_step - 1 >= state.completed \
             and session.same_as_plain_resume(spec, result.first_step - 1, result.losses):
         problem = None   # whole checkpoint: any divergence is resume_matches_baseline's
@@ -134,7 +139,7 @@ def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: st
     if only is not None:
         states = [s for s in states if s.label == only]
         if not states:
-            raise ValueError(f"no power-loss state {only!r}: labels are op numbers")
+            raise CheckNotApplicable(f"no power-loss state {only!r} in this run: labels are op numbers")
     same = distinct(states)
     directories = len(same)   # cuts that leave the same directory, judged alike, are decided once
     shared = session.resumes_shared

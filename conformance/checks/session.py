@@ -177,10 +177,11 @@ class Session:
 
     def stable_paths(self, spec: RunSpec) -> frozenset[str]:
         """Relative paths under the checkpoint directory that two uninterrupted runs share (no
-        run-random part): a job's kill at an operation on one is delivered by path. Empty for a
-        single process (its kills are delivered by count)."""
+        run-random part): a kill at an operation on one, in a job or a process whose calls come
+        from several threads, is delivered by path. Empty for a single-threaded process (its kills
+        are delivered by count)."""
         def compute():
-            if not spec.is_job:
+            if not spec.is_job and not self.baseline(spec).threaded:
                 return frozenset()
             def paths(run: RecordedRun) -> set[str]:
                 return {p for op in run.ops if op.inside for p in (op.path, op.target) if p}
@@ -271,7 +272,8 @@ class Session:
             digests_left_out=tuple(sorted(logged - set(tolerance.digests))),
             mismatches=evidence.mismatch_rows(rows[:10]), operations=len(base.mutations),
             run_random_names=tuple(n.describe() for n in lined_up.names),
-            divergence=lined_up.divergence.describe("run 1", "run 2") if lined_up.divergence else "")
+            divergence=lined_up.divergence.describe("run 1", "run 2") if lined_up.divergence else "",
+            retention_varies=alignment.retention_outcome(base, again))
         return Determinism(losses, operations, lined_up, numbers, tolerance)
 
     def _warm_again_agrees(self, spec: RunSpec, base: RecordedRun) -> bool:

@@ -61,7 +61,7 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
         flying = view.in_flight_by_step(point.index)   # it may commit before the kill, or not
         return PlannedKill(point, log.name, log.nth, f"{who}logging step {point.index + 1}", before, newest, flying,
                            max(own, newest, flying or 0, others_may_save(run, point.on_rank, point.index + 1)))
-    if point.kind == "save":
+    if point.kind in ("save", "retention"):
         k = saves.locate_point(view, point)
         if k is None:
             return None
@@ -70,7 +70,8 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
         if k is None:
             return None
     op = view.ops[view.mutations[k]]
-    save = view.in_progress(op.index)
+    # Retention belongs to no save; a save in flight on another thread may commit before the kill.
+    save = view.in_progress(op.index) if not op.retention else view.in_flight_by_step(op.after_step)
     own = view.committed_before(op.index)
     newest = run.committed_before(run.merged_index(op.rank, op.index)) if run.is_job else own
     where = f"{who}{view.role(op.index)}: {op.describe()}"
@@ -92,6 +93,12 @@ def what_is_there(run: recording.RecordedRun, point: CrashPoint) -> str:
     if point.on_rank not in (run.ranks or {0: 0}):
         return f"no rank {point.on_rank}"
     view = run.rank_view(point.on_rank)
+    if point.kind == "retention":
+        found = view.retention_ops(point.index, point.on_rank)
+        if point.op <= len(found):
+            return (f"operation {point.op} of the retention pass after the save of step {point.index} is "
+                    f"{view.ops[found[point.op - 1]].describe()}, which a kill by count cannot hit exactly")
+        return f"the retention pass after the save of step {point.index} has {len(found)} operation(s)"
     if point.kind != "save":
         return (f"{len(view.mutations)} filesystem operations under the checkpoint directory, "
                 f"{len(view.crash_points())} of them hittable by a kill by count")

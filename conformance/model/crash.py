@@ -21,7 +21,9 @@ class CrashPoint:
     `fs:i`: kill on entry to the i-th filesystem mutation under the checkpoint directory (0-based,
     in the process's own uninterrupted trace, in the order the calls were entered; it wraps around),
     or the first one after it that a kill by count can hit exactly: for operations outside any save
-    and for processes whose trace is not known in advance. `@rN`: in a multi-rank job, the point is
+    and for processes whose trace is not known in advance. `retention:s/i`: kill on entry to the
+    i-th operation (1-based) of the retention pass after the save of step s (removals of older
+    checkpoints, on whatever thread they run: saves.retention_passes). `@rN`: in a multi-rank job, the point is
     rank N's (its own steps, its own mutations); torchrun then stops the other ranks. `@nodeK`: a
     node point, in a job of several nodes: at that step or operation of node K's first rank, node K
     is lost whole (its agent and all its ranks stop at once, as in a power or network loss of one
@@ -31,11 +33,11 @@ class CrashPoint:
     kind: str
     index: int                 # step k; fs mutation i; the save's step s
     rank: int | None = None
-    op: int = 0                # save points: the operation's 1-based position on its thread in that save
+    op: int = 0                # save and retention points: the operation's 1-based position there
     thread: int = 0            # save points: 0 the logging thread, L the save's L-th other thread
     node: int | None = None    # a node point: the node lost whole (its rank: that node's first, see bound)
 
-    KINDS = ("step", "fs", "save")
+    KINDS = ("step", "fs", "save", "retention")
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
@@ -50,12 +52,16 @@ class CrashPoint:
             if self.index < 1 or self.op < 1 or self.thread < 0:
                 raise ValueError(f"a save point names a save step >= 1, a thread >= 0 and an operation >= 1, "
                                  f"got save {self.index}, thread {self.thread}, operation {self.op}")
+        elif self.kind == "retention":
+            if self.index < 1 or self.op < 1 or self.thread:
+                raise ValueError(f"a retention point names a save step >= 1 and an operation >= 1 (no thread), "
+                                 f"got save {self.index}, operation {self.op}")
         elif self.op or self.thread:
-            raise ValueError(f"only a save point names an operation and a thread, not a {self.kind!r} point")
+            raise ValueError(f"only a save or retention point names an operation, not a {self.kind!r} point")
 
     def __str__(self) -> str:
         body = f"{self.kind}:{self.index}"
-        if self.kind == "save":
+        if self.kind in ("save", "retention"):
             body += (f"/t{self.thread}" if self.thread else "") + f"/{self.op}"
         if self.node is not None:
             return body + f"@node{self.node}"
@@ -103,16 +109,21 @@ class CrashPoint:
                 raise ValueError("the rank is written '@r<N>', a node '@node<K>'")
             else:
                 on = int(rank[1:]) if at else None
+            parts = where.split("/")
+            if kind == "retention":
+                if len(parts) != 2:
+                    raise ValueError("a retention point is written 'retention:S/I'")
+                return cls(kind, int(parts[0]), on, op=int(parts[1]), node=node)
             if kind != "save":
                 return cls(kind, int(where), on, node=node)
-            parts = where.split("/")
             if len(parts) == 3 and parts[1].startswith("t"):
                 return cls(kind, int(parts[0]), on, op=int(parts[2]), thread=int(parts[1][1:]), node=node)
             if len(parts) != 2:
                 raise ValueError("a save point is written 'save:S/I' or 'save:S/tL/I'")
             return cls(kind, int(parts[0]), on, op=int(parts[1]), node=node)
         except ValueError as exc:
-            raise ValueError(f"bad crash point {text!r}: expected 'step:K', 'save:S/I', 'save:S/tL/I' or 'fs:I', "
+            raise ValueError(f"bad crash point {text!r}: expected 'step:K', 'save:S/I', 'save:S/tL/I', "
+                             "'retention:S/I' or 'fs:I', "
                              f"optionally with '@rN' for rank N or '@nodeK' for node K ({exc})") from None
 
 

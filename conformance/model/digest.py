@@ -72,6 +72,8 @@ def _feed(h, value: Any) -> None:
     state dict (tensors, dicts, numbers) are tried first: a digest runs after every step."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
+        if hasattr(value, "to_local"):   # a DTensor (FSDP2): this rank's own shard is its state
+            value = value.to_local()
         t = value.detach().cpu().contiguous()
         h.update(b"t%b:%b;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
         h.update(t.reshape(-1).view(torch.uint8).numpy())

@@ -121,6 +121,7 @@ class Determinism(Evidence):
     divergence: str = ""                    # the first operation the runs differ at
     basis: str = ""                         # the learned tolerance, described (tolerance.Tolerance)
     digests_left_out: tuple[str, ...] = ()  # state components logged whose digests differ between the runs
+    retention_varies: str = ""              # the checkpoints each run kept, where they differ
 
     def summary(self) -> str:
         diff = f"{self.max_abs_diff:.3g}" if self.max_abs_diff is not None else "n/a"
@@ -130,7 +131,8 @@ class Determinism(Evidence):
         learned = f"; every resume is held to tolerance {self.basis}" if self.basis else ""
         left = (f"; state digests not compared (they differ between the two runs): {', '.join(self.digests_left_out)}"
                 if self.digests_left_out else "")
-        return f"two uninterrupted runs, {self.steps} steps, max |diff| {diff}{ops}{learned}{left}"
+        kept = f"; retention's outcome varies: {self.retention_varies}" if self.retention_varies else ""
+        return f"two uninterrupted runs, {self.steps} steps, max |diff| {diff}{ops}{learned}{left}{kept}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ committed checkpoint damaged (`compound_state`).
 A checkpoint of step s is told by the files its save left that no other save writes (a shared
 `latest` pointer or a rewritten index says nothing about s); it is present in a directory when
 each of them is there with the bytes the save left. What retention promised after committing
-step N is what was present right after N's save ended in the uninterrupted run."""
+step N is what was present in the uninterrupted run once N's save and N's retention pass (on
+whatever thread, whenever it landed: saves.retention_passes) were both over."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,11 +40,16 @@ def present(files: dict[str, bytes | bytearray], own: dict[str, bytes]) -> bool:
 
 
 def kept_after_commits(run: RecordedRun, own: dict[int, dict[str, bytes]] | None = None) -> dict[int, tuple[int, ...]]:
-    """Save step N -> the older checkpoints present right after N's save ended (its retention
-    done): what the trainer's retention promised to keep beside N. `own`: own_files(run), if
-    the caller has it already."""
+    """Save step N -> the older checkpoints present once N's save and its retention pass were
+    over: what the trainer's retention promised to keep beside N. `own`: own_files(run), if the
+    caller has it already."""
     own = own_files(run) if own is None else own
-    ends = {idxs[-1]: s for s, idxs in run.windows().items() if s}
+    done = {s: idxs[-1] for s, idxs in run.windows().items() if s}
+    for i in run.mutations:
+        n = run.ops[i].retention
+        if n in done:
+            done[n] = max(done[n], i)
+    ends = {i: s for s, i in done.items()}
     replayer, out = Replayer(), {}
     for op in run.ops:
         replayer.apply(op)
@@ -53,24 +59,42 @@ def kept_after_commits(run: RecordedRun, own: dict[int, dict[str, bytes]] | None
     return out
 
 
-def kept_at_end(run: RecordedRun, own: dict[int, dict[str, bytes]] | None = None) -> tuple[int, ...]:
-    """The checkpoints present once the whole run is over: retention's outcome, whichever thread
-    ran it and whenever it landed."""
-    own = own_files(run) if own is None else own
-    replayer = Replayer()
-    for op in run.ops:
-        replayer.apply(op)
-    return tuple(s for s in sorted(own) if present(replayer.files, own[s]))
-
-
 def promised_beside(run: RecordedRun, damaged: int, own: dict[int, dict[str, bytes]]) -> tuple[int, ...]:
     """The older checkpoints that must all still be there while the save after `damaged` is not
-    committed: of those kept right after `damaged`'s save ended, the newest k - 1, where k is how
-    many checkpoints the run holds at its end. (A retention pass that lands late, on a thread of its
-    own, may still delete one more older than those: it is not counted.)"""
-    k = len(kept_at_end(run, own))
-    kept = sorted((s for s in kept_after_commits(run, own).get(damaged, ()) if s != damaged), reverse=True)
-    return tuple(sorted(kept[:max(0, k - 1)]))
+    committed: those kept once `damaged`'s save and retention pass were over, except the ones
+    retention removes on a thread other than the logging thread. Which commit set such a removal
+    going cannot be seen (torchtitan's purge thread takes paths from a queue, and may act after the
+    next save began), so it is never promised: a trainer that makes room before its save on a
+    background thread goes unseen here, one that does on its training thread does not."""
+    behind = removed_in_background(run, own)
+    return tuple(s for s in kept_after_commits(run, own).get(damaged, ()) if s != damaged and s not in behind)
+
+
+def removed_in_background(run: RecordedRun, own: dict[int, dict[str, bytes]]) -> frozenset[int]:
+    """The checkpoints whose files retention removes on a thread that logs no step."""
+    views = [run.rank_view(r) for r in sorted(run.ranks)] if run.is_job else [run]
+    logging = {(view.ops[0].rank if view.ops else 0, sc.tid) for view in views for sc in view.step_logs.values()}
+    out = set()
+    for i in run.mutations:
+        op = run.ops[i]
+        if op.retention and (op.rank, op.tid) not in logging:
+            out |= {s for s, files in own.items() if any(f == op.path or f.startswith(op.path + "/") for f in files)}
+    return frozenset(out)
+
+
+def steady_count(run: RecordedRun, own: dict[int, dict[str, bytes]]) -> int:
+    """How many checkpoints retention holds at its steady state: the fewest present once a save
+    and its retention pass were over, from the first pass that removed a checkpoint on (before it,
+    retention was still filling up; without one, it keeps them all). The fewest, because a pass
+    on a background thread may land after the next save began and be counted with that one's
+    (torchtitan's purge thread): it makes a count too high, never too low. A final save that
+    skips retention (torchtitan's last-step save) holds one more, which is no promise either."""
+    kept = kept_after_commits(run, own)
+    told = sorted(s for s, files in own.items() if files)
+    full = [n for n in sorted(kept) if len(kept[n]) < sum(1 for s in told if s < n)]
+    if not full:
+        return 1 + max((len(older) for older in kept.values()), default=-1)
+    return min(1 + len(kept[n]) for n in sorted(kept) if n >= full[0])
 
 
 def steady(run: RecordedRun, before: list[int]) -> list[int]:
@@ -79,7 +103,7 @@ def steady(run: RecordedRun, before: list[int]) -> list[int]:
     run holds at its end, less one. Only there can a trainer that deletes a restore point before
     its new checkpoint commits be seen holding fewer than it promises."""
     own = own_files(run)
-    k = len(kept_at_end(run, own))
+    k = steady_count(run, own)
     kept = kept_after_commits(run, own)
     full = {d for d, older in kept.items() if k > 1 and len([s for s in older if s != d]) >= k - 1}
     wanted = {i for i in before if run.committed_before(i) in full}

@@ -135,6 +135,16 @@ class Report:
         found = dict.fromkeys(e.basis for c in self.cases for e in c.evidence if isinstance(e, Determinism) and e.basis)
         return "; ".join(found)
 
+    @property
+    def warnings(self) -> list[str]:
+        """Findings that fail no check: retention whose outcome differs between two uninterrupted
+        runs (each, once)."""
+        return list(dict.fromkeys(
+            f"retention's outcome varies between two uninterrupted runs ({e.spec}): {e.retention_varies}. Which "
+            "checkpoints survive depends on timing (a deletion racing a save in flight), so a restart may find fewer "
+            "than the retention policy promises" for c in self.cases for e in c.evidence
+            if isinstance(e, Determinism) and e.retention_varies))
+
     def levels(self):
         from .levels import assess
         return assess(self.outcomes)
@@ -148,7 +158,7 @@ class Report:
         levels = self.levels()
         top = highest(levels)
         return {**out, "counts": self.counts, "runner_disagreements": len(self.disagreements),
-                "level": top.level if top else None,
+                "warnings": self.warnings, "level": top.level if top else None,
                 "levels": [dataclasses.asdict(s) for s in levels], "cases": [c.to_json() for c in self.cases]}
 
 
@@ -236,6 +246,7 @@ def render_markdown(report: Report) -> str:
         lines += [("**Resumes judged exact**: every resumed loss must equal the uninterrupted run's bit for bit ("
                    "tolerance " if exact else "Resumes judged within tolerance ") + report.comparison
                   + (")" if exact else ""), ""]
+    lines += [f"**Warning**: {w}" for w in report.warnings] + ([""] if report.warnings else [])
     disagreements = report.disagreements
     if disagreements:
         lines += [f"**{len(disagreements)} runner disagreement(s)**: the warm runner failed a case that a fresh "

@@ -85,8 +85,10 @@ class _PathMap:
 def _in_order(run: RecordedRun, upto: int | None) -> list[int]:
     """The mutations two runs must make alike, in the order they must agree on: as they happened
     for one thread; each save's operations thread by thread when several threads wrote (how
-    threads interleave is a race, not a property of the trainer)."""
+    threads interleave is a race, not a property of the trainer). Retention is left out: when a
+    background deletion lands is a race too; what it leaves is compared (`retention_outcome`)."""
     chosen = run.mutations if upto is None else run.mutations[:upto]
+    chosen = [i for i in chosen if not run.ops[i].retention]
     if not any(run.ops[i].lane for i in chosen):
         return list(chosen)
     return sorted(chosen, key=lambda i: (run.ops[i].rank, run.ops[i].save, run.ops[i].lane, i))
@@ -131,3 +133,17 @@ def align_job(first: RecordedRun, second: RecordedRun) -> Alignment:
             return Alignment(tuple(names), Divergence(d.position, f"rank {r}: {d.first}", f"rank {r}: {d.second}"),
                              compared)
     return Alignment(tuple(names), None, compared)
+
+
+def retention_outcome(first: RecordedRun, second: RecordedRun) -> str:
+    """How the checkpoints two runs of the same trainer left once they were over differ ("" when
+    they do not): retention whose outcome depends on timing (a deletion racing a save in flight)
+    keeps a different set of checkpoints in a real restart too."""
+    a, b = first.kept, second.kept
+    if a == b:
+        return ""
+
+    def kept(found: dict[int, str]) -> str:
+        return ", ".join(f"{s}" + ("" if how == "kept" else f" ({how})") for s, how in found.items()
+                         if how != "removed") or "none"
+    return f"run 1 kept the checkpoints of steps {kept(a)}; run 2 kept {kept(b)}"

@@ -48,6 +48,7 @@ class Op:
     signalled: bool = False    # the suite injected a signal (SIGTERM) at this call
     save: int = 0              # the step of the save it belongs to (0: none; see attribute_saves)
     lane: int = 0              # its thread within that save: 0 the logging thread, 1.. other threads
+    retention: int = 0         # the retention pass it belongs to, by its save step (0: none; see saves.py)
 
     @property
     def mutation(self) -> bool:

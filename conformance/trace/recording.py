@@ -140,6 +140,15 @@ class RecordedRun:
         `rank`'s, in a merged job run), in order: what a save point's position counts."""
         return [i for i in self.windows().get(save, []) if self.ops[i].lane == lane and self.ops[i].rank == rank]
 
+    def retention_ops(self, save: int, rank: int = 0) -> list[int]:
+        """Op indices of the retention pass after the save of step `save` (rank `rank`'s), in order."""
+        return [i for i in self.windows().get(0, []) if self.ops[i].retention == save and self.ops[i].rank == rank]
+
+    def position_in_pass(self, op_index: int) -> int:
+        """1-based position of op `op_index` in its retention pass."""
+        me = self.ops[op_index]
+        return self.retention_ops(me.retention, me.rank).index(op_index) + 1
+
     def position_in_save(self, op_index: int) -> int:
         """1-based position of op `op_index` among its save's mutations on its thread (its rank's,
         in a job): the same in every run, however threads interleave."""
@@ -150,10 +159,46 @@ class RecordedRun:
         """What an operation is, independent of run-random names and of how threads interleave:
         its place in its save, on its thread."""
         op, s = self.ops[op_index], self.ops[op_index].save
-        where = f"the save of step {s}" if s else "the start of the run"
         who = f"rank {op.rank}'s " if self.ranks else ""
+        if op.retention:
+            return (f"{who}{op.kind} #{self.position_in_pass(op_index)} of the retention pass after the save of "
+                    f"step {op.retention}")
+        where = f"the save of step {s}" if s else f"no save (after step {op.after_step})" if op.after_step \
+            else "the start of the run"
         thread = f" (background thread {op.lane})" if op.lane else ""
         return f"{who}{op.kind} #{self.position_in_save(op_index)} of {where}{thread}"
+
+    @functools.cached_property
+    def kept(self) -> dict[int, str]:
+        """What retention left once the run was over: each save's checkpoint "kept" (every file and
+        directory its save left is still there), "partly" kept, or "removed"."""
+        live: set[str] = set(self.preexisting)
+        ends = {idxs[-1]: s for s, idxs in self.windows().items() if s}
+        made: dict[int, set[str]] = {}
+        left: dict[int, frozenset[str]] = {}
+        for op in self.ops:
+            if not op.mutation or op.error or not op.effect:
+                continue
+            if op.kind in ("create", "mkdir", "symlink"):
+                live.add(op.path)
+            elif op.kind in ("unlink", "rmdir"):
+                live.discard(op.path)
+            elif op.kind == "rename" and op.target:
+                moved = {p for p in live if p == op.path or p.startswith(op.path + "/")}
+                live -= moved
+                live |= {op.target + p[len(op.path):] for p in moved} | {op.target}
+            elif op.kind == "link" and op.target:
+                live.add(op.target)
+            if op.save and op.kind in ("create", "mkdir", "symlink", "rename", "link"):
+                made.setdefault(op.save, set()).add(op.target if op.kind in ("rename", "link") else op.path)
+            if op.index in ends:
+                s = ends[op.index]
+                left[s] = frozenset(p for p in made.get(s, ()) if p in live)
+        out = {}
+        for s, paths in sorted(left.items()):
+            there = sum(p in live for p in paths)
+            out[s] = "kept" if there == len(paths) else "removed" if not there else "partly"
+        return out
 
     def committed_at(self, ts: float) -> int:
         """The newest save all of whose operations (every rank's) were entered before time `ts`."""

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 _COMMIT_LIKE = frozenset({"rename", "link", "symlink", "unlink", "rmdir"})
 _BRINGS_DATA = frozenset({"create", "mkdir", "write", "copy", "link", "symlink"})
+_REMOVES = frozenset({"unlink", "rmdir"})
 
 
 def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
@@ -25,12 +26,15 @@ def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
       as the command contract has it) already logged that no save has taken yet; with none left,
       to the newest save (a second writer thread of it). Such a thread begins a new save when it
       creates a file or directory after a commit-like operation (rename, link, symlink, unlink,
-      rmdir, a directory fsync) while a logged save step is still untaken.
+      rmdir, a directory fsync) while a logged save step is still untaken, unless what it creates
+      is inside a directory its current save made (a manifest written after that save's commit).
     - Another thread that only removes or syncs (retention, demotion to a cold tier) belongs to
       the step window it runs in, as the logging thread's operations do (lane 0).
     - The logging thread's operations on the files of a save in flight (its commit, once the
       background write finished) belong to that save, with the ones after them at the same step
       until it creates something (the next save begins).
+    - Removing files takes no save: a save exists only where the trainer writes what a commit
+      makes real. Removing an older checkpoint's files is retention (`retention_passes`).
     Neither a wall clock nor how far the background thread lags decides anything, so every run of
     a deterministic trainer gets the same attribution, provided it takes every save step in
     order (at most one save in flight, none skipped)."""
@@ -72,15 +76,15 @@ def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
             elif op.tid not in current:
                 if brings:
                     current[op.tid] = free if free is not None else newest
-            elif free is not None and op.kind in ("create", "mkdir") and before is not None and (
-                    before.kind in _COMMIT_LIKE or (before.kind == "fsync" and before.path in dirs)):
+            elif free is not None and op.kind in ("create", "mkdir") and made != current[op.tid] and before is not None \
+                    and (before.kind in _COMMIT_LIKE or (before.kind == "fsync" and before.path in dirs)):
                 current[op.tid] = free
             save = current.get(op.tid, op.after_step)
             if op.tid in current:
                 in_flight = max(in_flight, save)
                 threads = lanes.setdefault(save, {main_tid: 0})
                 lane = threads.setdefault(op.tid, len(threads))
-        if op.mutation and save:
+        if op.mutation and save and op.kind not in _REMOVES:
             taken.add(save)
             newest = max(newest, save)
         if op.kind == "mkdir":
@@ -92,7 +96,56 @@ def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
         if op.mutation:
             previous[op.tid] = op
         out.append(dataclasses.replace(op, save=save, lane=lane))
+    return retention_passes(out, taken)
+
+
+def retention_passes(ops: list[Op], saves: set[int]) -> list[Op]:
+    """`ops` (attributed to saves) with retention told apart: an operation that removes a file or
+    directory an older save made (or one there before the run: an earlier process's checkpoint),
+    and that its own save does not make again (a pointer replaced by unlink and create is part of
+    a commit), is retention, on whatever thread it runs. It belongs to the retention pass of the
+    newest save begun by the step it runs after (`retention`), not to any save: which commit set
+    a background deletion going, and when it lands, are races; what it deletes is not. Removals
+    that are neither part of a save nor retention belong to no save (0)."""
+    owner: dict[str, int] = {}
+    made_at: dict[tuple[int, str], list[int]] = {}   # (save, path) -> where that save (re)made it
+    for op in ops:
+        for p in _made(op):
+            made_at.setdefault((op.save, p), []).append(op.index)
+    order = sorted(saves)
+    out = []
+    for op in ops:
+        changed = op
+        if op.mutation and op.kind in _REMOVES:
+            begun = max((s for s in order if s <= max(op.after_step, op.save)), default=0)
+            made = _owner_of(owner, op.path)
+            again = any(i > op.index for i in made_at.get((op.save, op.path), ()))
+            if begun and made < begun and not again:
+                changed = dataclasses.replace(op, save=0, lane=0, retention=begun)
+            elif op.save not in saves:
+                changed = dataclasses.replace(op, save=0, lane=0)
+        for p in _made(op):
+            owner[p] = op.save
+        out.append(changed)
     return out
+
+
+def _made(op: Op) -> tuple[str, ...]:
+    if op.kind in ("create", "mkdir", "symlink"):
+        return (op.path,)
+    if op.kind in ("rename", "link") and op.target:
+        return (op.target,)
+    return ()
+
+
+def _owner_of(owner: dict[str, int], path: str) -> int:
+    """The save that made `path` or, failing that, its nearest enclosing directory (0: there before
+    the run, or made outside any save)."""
+    while path:
+        if path in owner:
+            return owner[path]
+        path = path.rpartition("/")[0]
+    return 0
 
 
 def surely_committed_by(windows: dict[int, list[int]], ops, save_every: int, total_steps: int) -> dict[int, int]:
@@ -109,20 +162,26 @@ def surely_committed_by(windows: dict[int, list[int]], ops, save_every: int, tot
 
 def name_point(run: RecordedRun, k: int, rank: int | None = None) -> CrashPoint:
     """The crash point at mutation `k` of `run` (a process's or a rank's own run), named by its
-    save and thread (`save:s/tL/i`) so that a replay finds the same operation however threads
-    interleave; an operation outside any save by its position among the mutations (`fs:k`)."""
+    save and thread (`save:s/tL/i`), or its retention pass (`retention:s/i`), so that a replay
+    finds the same operation however threads interleave; an operation outside both by its
+    position among the mutations (`fs:k`)."""
     i = run.mutations[k]
     op = run.ops[i]
+    if op.retention:
+        return CrashPoint("retention", op.retention, rank, op=run.position_in_pass(i))
     if not op.save:
         return CrashPoint("fs", k, rank)
     return CrashPoint("save", op.save, rank, op=run.position_in_save(i), thread=op.lane)
 
 
 def locate_point(run: RecordedRun, point: CrashPoint) -> int | None:
-    """The mutation (its position in `run.mutations`) a save point names in `run` (a process's or
+    """The mutation (its position in `run.mutations`) a save or retention point names in `run` (a process's or
     a rank's own run), or None when that save has no such operation on that thread, or a kill by
     count there could land elsewhere (not targetable)."""
-    lane = run.thread_ops(point.index, point.thread, point.on_rank)
+    if point.kind == "retention":
+        lane = run.retention_ops(point.index, point.on_rank)
+    else:
+        lane = run.thread_ops(point.index, point.thread, point.on_rank)
     if point.op > len(lane) or not run.ops[lane[point.op - 1]].targetable:
         return None
     return run.mutations.index(lane[point.op - 1])
