@@ -138,8 +138,8 @@ def test_a_commit_the_main_thread_makes_at_the_next_save_step_belongs_to_the_sav
     assert [(k, s) for k, s, _ in saves_of(run)] == [
         ("mkdir", 2), ("create", 2), ("write", 2), ("fsync", 2), ("rename", 2), ("fsync", 2), ("unlink", 0),
         ("mkdir", 4), ("create", 4), ("write", 4), ("fsync", 4), ("rename", 4), ("fsync", 4)]
-    # Removing a checkpoint from before the run is retention, in the pass of step 4's window: no save's.
-    assert [run.ops[i].retention for i in run.mutations if run.ops[i].kind == "unlink"] == [4]
+    # Removing a checkpoint from before the run, right after save 2's commit: its retention pass.
+    assert [run.ops[i].retention for i in run.mutations if run.ops[i].kind == "unlink"] == [2]
     assert run.committed_by_step(3) == 0 and run.committed_by_step(4) == 4
 
 
@@ -289,3 +289,25 @@ def test_a_retention_point_is_written_and_read_back():
     for bad in ("retention:9", "retention:9/t1/2", "retention:0/1"):
         with pytest.raises(ValueError, match="retention"):
             CrashPoint.parse(bad)
+
+
+def test_a_save_with_only_its_syncs_left_is_whole_for_a_kill():
+    run = build(in_flight_run())
+    rename3 = next(i for i in run.mutations if run.ops[i].kind == "rename")
+    synced = next(i for i in run.mutations if i > rename3)     # the directory's fsync ends save 3
+    assert run.committed_before(synced) == 0 and run.settled_before(synced) == 3
+    assert run.settled_before(rename3) == 0
+
+
+def test_a_writer_emptying_what_it_renamed_out_of_the_way_stays_in_its_save_however_far_the_main_thread_is():
+    # Save 6 on the writer thread renames ckpt-3 aside and empties it while the main thread has
+    # already logged step 9 (a loaded machine): its own save's work, not retention of step 9.
+    lines = [log(1), log(2), log(3)] + staged_save(3, 200) + commit(3, 200) + [log(4), log(5), log(6)]
+    lines += staged_save(6, 200) + commit(6, 200) + ['200  rename("/ck/ckpt-3", "/ck/.del-ckpt-3") = 0',
+                                                   log(7), log(8), log(9),
+                                                   '200  unlinkat(AT_FDCWD</run>, "/ck/.del-ckpt-3/model", 0) = 0',
+                                                   '200  rmdir("/ck/.del-ckpt-3") = 0']
+    lines += staged_save(9, 200) + commit(9, 200) + [log(10)]
+    run = build(lines, total=10)
+    removals = [run.ops[i] for i in run.mutations if run.ops[i].kind in ("unlink", "rmdir")]
+    assert [(op.save, op.retention) for op in removals] == [(6, 0), (6, 0)]

@@ -57,7 +57,10 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
             return None
         before = sum(1 for i in view.mutations if view.ops[i].after_step <= point.index)
         own = view.committed_by_step(point.index)
-        newest = run.committed_at(log.ts) if run.is_job else own
+        # In a job: committed by the time the rank logs, in the uninterrupted run's timing; a save
+        # whose last operation was a background thread's is surely committed only by the step the
+        # trainer waits for it (committed_by_step), so a kill before then may find it either way.
+        newest = min(run.committed_at(log.ts), run.committed_by_step(point.index)) if run.is_job else own
         flying = view.in_flight_by_step(point.index)   # it may commit before the kill, or not
         return PlannedKill(point, log.name, log.nth, f"{who}logging step {point.index + 1}", before, newest, flying,
                            max(own, newest, flying or 0, others_may_save(run, point.on_rank, point.index + 1)))
@@ -70,8 +73,9 @@ def plan(point: CrashPoint, run: recording.RecordedRun) -> PlannedKill | None:
         if k is None:
             return None
     op = view.ops[view.mutations[k]]
-    # Retention belongs to no save; a save in flight on another thread may commit before the kill.
-    save = view.in_progress(op.index) if not op.retention else view.in_flight_by_step(op.after_step)
+    # Retention belongs to no save: the save around it, or one in flight on another thread, may
+    # commit before the kill.
+    save = view.in_progress(op.index) or (view.in_flight_by_step(op.after_step) if op.retention else None)
     own = view.committed_before(op.index)
     newest = run.committed_before(run.merged_index(op.rank, op.index)) if run.is_job else own
     where = f"{who}{view.role(op.index)}: {op.describe()}"

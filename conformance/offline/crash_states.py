@@ -173,7 +173,7 @@ def crash_states(run: RecordedRun) -> list[CrashState]:
     for op in run.ops:
         i = op.index
         if i in wanted:
-            newest, in_progress = run.committed_before(i), run.in_progress(i)
+            newest, in_progress = run.settled_before(i), run.in_progress(i)
             where = f"{run.role(i)}: {op.describe()}"
             view = replayer.view()
             key = view.key
@@ -237,7 +237,7 @@ def _save_complete_before(run: RecordedRun) -> dict[int, bool]:
     out: dict[int, bool] = {}
     replayer = Replayer()
     for op in run.ops:
-        s = op.save
+        s = run.in_progress(op.index) or 0 if op.mutation else op.save
         final = finals.get(s)
         out[op.index] = bool(s and final) and all(replayer.files.get(p) == b for p, b in final.items())
         replayer.apply(op)

@@ -119,6 +119,13 @@ class RecordedRun:
         """The newest save all of whose operations come before op `op_index` (0: none)."""
         return max((s for s, idxs in self.windows().items() if s and idxs[-1] < op_index), default=0)
 
+    def settled_before(self, op_index: int) -> int:
+        """The newest save all of whose operations but its syncs come before op `op_index`: what a
+        kill leaves there holds it whole (a kill keeps the page cache), though a sync of it may still
+        come after another save's operation (a job's ranks, a commit on a background thread)."""
+        return max((s for s, idxs in self.windows().items()
+                    if s and all(i < op_index or self.ops[i].kind == "fsync" for i in idxs)), default=0)
+
     def committed_by_step(self, step: int) -> int:
         """The newest save surely finished when step `step` + 1 is about to be logged (0: none)."""
         return max((s for s, by in self._sure_by.items() if by <= step), default=0)
@@ -132,8 +139,13 @@ class RecordedRun:
         return surely_committed_by(self.windows(), self.ops, self.spec.save_every, self.spec.total_steps)
 
     def in_progress(self, op_index: int) -> int | None:
-        """The save op `op_index` belongs to, or None outside any save."""
-        return self.ops[op_index].save or None
+        """The save op `op_index` belongs to; for an operation of no save (retention), the save
+        whose operations began before it and end after it (a retention pass between a commit and
+        the save's last sync); else None."""
+        own = self.ops[op_index].save
+        if own:
+            return own
+        return max((s for s, idxs in self.windows().items() if s and idxs[0] < op_index < idxs[-1]), default=None)
 
     def thread_ops(self, save: int, lane: int, rank: int = 0) -> list[int]:
         """Op indices of the mutations of the save of step `save` on its thread `lane` (rank

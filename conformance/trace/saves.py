@@ -26,8 +26,7 @@ def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
       as the command contract has it) already logged that no save has taken yet; with none left,
       to the newest save (a second writer thread of it). Such a thread begins a new save when it
       creates a file or directory after a commit-like operation (rename, link, symlink, unlink,
-      rmdir, a directory fsync) while a logged save step is still untaken, unless what it creates
-      is inside a directory its current save made (a manifest written after that save's commit).
+      rmdir, a directory fsync) while a logged save step is still untaken.
     - Another thread that only removes or syncs (retention, demotion to a cold tier) belongs to
       the step window it runs in, as the logging thread's operations do (lane 0).
     - The logging thread's operations on the files of a save in flight (its commit, once the
@@ -76,8 +75,8 @@ def attribute_saves(ops: list[Op], main_tid: int, save_every: int) -> list[Op]:
             elif op.tid not in current:
                 if brings:
                     current[op.tid] = free if free is not None else newest
-            elif free is not None and op.kind in ("create", "mkdir") and made != current[op.tid] and before is not None \
-                    and (before.kind in _COMMIT_LIKE or (before.kind == "fsync" and before.path in dirs)):
+            elif free is not None and op.kind in ("create", "mkdir") and before is not None and (
+                    before.kind in _COMMIT_LIKE or (before.kind == "fsync" and before.path in dirs)):
                 current[op.tid] = free
             save = current.get(op.tid, op.after_step)
             if op.tid in current:
@@ -117,7 +116,10 @@ def retention_passes(ops: list[Op], saves: set[int]) -> list[Op]:
     for op in ops:
         changed = op
         if op.mutation and op.kind in _REMOVES:
-            begun = max((s for s in order if s <= max(op.after_step, op.save)), default=0)
+            # A save's own thread removing what it made (a directory renamed out of the way, then
+            # emptied) stays in that save however far the main thread has logged meanwhile.
+            upto = op.save if op.save in saves else max(op.after_step, op.save)
+            begun = max((s for s in order if s <= upto), default=0)
             made = _owner_of(owner, op.path)
             again = any(i > op.index for i in made_at.get((op.save, op.path), ()))
             if begun and made < begun and not again:
