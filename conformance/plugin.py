@@ -31,6 +31,7 @@ from .options import (  # noqa: F401
     positive_seconds,
     rdzv_port,
     resume_interpreter,
+    short_aliases,
 )
 from .report import expected
 from .report import report as reports
@@ -49,6 +50,16 @@ from .run.zygote import die_with_parent
 
 def pytest_addoption(parser):
     add_options(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    """The suite's short spellings (--adapter, --runner, ...) become its namespaced ones before
+    pytest parses the command line, except a flag another plugin registered: that one is left to
+    it, and pytest starts whatever else is installed."""
+    groups = [*parser._groups, parser._anonymous]   # every plugin's options, registered by now
+    claimed = {name for group in groups for opt in group.options for name in opt.names()}
+    args[:] = short_aliases(args, claimed)
 
 
 @pytest.fixture(scope="session")
@@ -121,8 +132,20 @@ def _resolve(config, adapter, trainer_cmd, world_size=None, nnodes=None) -> Trai
     # cleanup runs at exit, each of which walked torch's objects again (0.1 s each here). A suite
     # process's start and exit: 2.8 -> 2.0 s. Only once a trainer is loaded: a pytest run that
     # merely has this plugin installed keeps its collector as it was.
-    gc.freeze()
+    _SUITE_LOADED.append(True)
+    _freeze()
     return resolved
+
+
+_SUITE_LOADED: list[bool] = []   # a trainer was loaded for this run
+
+
+def _freeze() -> None:
+    """Freeze, where nothing else has (some interpreters start with objects frozen): unfreezing for
+    a team's test could then not restore what they had."""
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        _FROZEN.append(gc.get_freeze_count())
 
 
 def _suite_requested(config) -> bool:
@@ -225,7 +248,7 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     path, entries = getattr(config, "_conformance_expected", (None, []))
-    strict = not config.getoption("--expected-failures-lenient")
+    strict = not config.getoption("conformance_expected_failures_lenient")
     for item in items:
         if entries and _conformance_class(item) is not None:
             entry = expected.match(entries, _check_id(item))
@@ -243,6 +266,21 @@ def _check_id(item) -> str:
 # -- reports -----------------------------------------------------------------------------------------
 def pytest_runtest_setup(item):
     evidence.take()
+    _collector_for(item)
+
+
+_FROZEN: list[int] = []   # how many objects the suite froze, while they are frozen
+
+
+def _collector_for(item) -> None:
+    """The suite's freeze (`_freeze`) for its own tests only: a team's test in the same session
+    runs with Python's collector as the interpreter had it, frozen again for the next suite test."""
+    mine = _conformance_class(item) is not None
+    if _FROZEN and not mine:
+        gc.unfreeze()
+        _FROZEN.clear()
+    elif mine and not _FROZEN and _SUITE_LOADED:
+        _freeze()
 
 
 @pytest.hookimpl(hookwrapper=True)

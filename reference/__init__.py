@@ -36,7 +36,17 @@ from .primitives.schema import CURRENT_SCHEMA, CURRENT_VERSION, migrate, registe
 from .rng import capture_rng, restore_rng
 from .state import TrainState, capture
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml is its one source)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("resume-conformance")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "BrokenChainError", "ColdStorageError", "ColdTierError", "NoSuchCheckpointError", "TriggerStateError",

@@ -174,3 +174,14 @@ def test_an_adapter_may_ask_for_a_longer_run():
     for bad in ({"steps=3"}, {"steps=x"}, {"steps=20", "steps=30"}):
         with pytest.raises(ValueError, match="must be one 'steps=N' with N an integer >= 14"):
             _ = TrainerAdapter(name="t", argv=("x",), capabilities=frozenset(bad)).total_steps
+
+
+def test_the_version_has_one_source():
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    import conformance
+    import reference
+    declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert conformance.__version__ == reference.__version__ == importlib.metadata.version("resume-conformance") == declared

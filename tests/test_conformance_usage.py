@@ -3,10 +3,10 @@ trainer that never ends is stopped with a message, failures show the report (not
 source) and name a likely cause."""
 from __future__ import annotations
 
-import shutil
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -108,7 +108,12 @@ def test_an_adapter_imports_from_the_current_directory_under_plain_pytest(tmp_pa
     (tmp_path / "mytrain").mkdir()
     (tmp_path / "mytrain" / "__init__.py").write_text("")
     (tmp_path / "mytrain" / "train.py").write_text("from fixtures.python_adapter import ADAPTER  # noqa: F401\n")
-    pytest_exe = shutil.which("pytest") or pytest.skip("no pytest executable on PATH")
+    # This interpreter's own `pytest` script (not the first on PATH: an unactivated venv's PATH
+    # finds another interpreter's, without the plugin): plain pytest does not put the current
+    # directory on sys.path the way `python -m pytest` does.
+    pytest_exe = Path(sys.executable).with_name("pytest")
+    if not pytest_exe.exists():
+        pytest.skip(f"no pytest script beside {sys.executable}")
     import subprocess
     proc = subprocess.run([pytest_exe, "-p", "no:cacheprovider", "-q", "--pyargs", "conformance",
                            "--adapter=mytrain.train:ADAPTER", "-k", "determinism", f"--basetemp={tmp_path / 'bt'}"],

@@ -25,8 +25,19 @@ from hypothesis.database import (
     ReadOnlyDatabase,
 )
 
+
+def package_version() -> str:
+    """The installed distribution's version: pyproject.toml is its one source (a checkout run
+    without installing it has none to report)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("resume-conformance")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 # Long enough for a checkpoint at a two-digit step with steps after it (ckpt-9 vs ckpt-12).
-VERSION = "0.1.0"   # the suite's version (pyproject.toml has the same); reports record it
+VERSION = package_version()   # the suite's version, from pyproject.toml via the installed metadata; reports record it
 TOTAL_STEPS = 14
 SEED = 0
 CADENCES = (3, 4)   # with the bundled trainer's 5 batches per epoch, both save mid-epoch
