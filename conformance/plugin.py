@@ -31,7 +31,6 @@ from .options import (  # noqa: F401
     positive_seconds,
     rdzv_port,
     resume_interpreter,
-    short_aliases,
 )
 from .report import expected
 from .report import report as reports
@@ -50,16 +49,6 @@ from .run.zygote import die_with_parent
 
 def pytest_addoption(parser):
     add_options(parser)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_load_initial_conftests(early_config, parser, args):
-    """The suite's short spellings (--adapter, --runner, ...) become its namespaced ones before
-    pytest parses the command line, except a flag another plugin registered: that one is left to
-    it, and pytest starts whatever else is installed."""
-    groups = [*parser._groups, parser._anonymous]   # every plugin's options, registered by now
-    claimed = {name for group in groups for opt in group.options for name in opt.names()}
-    args[:] = short_aliases(args, claimed)
 
 
 @pytest.fixture(scope="session")
@@ -248,7 +237,7 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     path, entries = getattr(config, "_conformance_expected", (None, []))
-    strict = not config.getoption("conformance_expected_failures_lenient")
+    strict = not config.getoption("--expected-failures-lenient")
     for item in items:
         if entries and _conformance_class(item) is not None:
             entry = expected.match(entries, _check_id(item))

@@ -203,31 +203,3 @@ def test_the_closing_lines_list_each_skip_with_why_and_the_report_is_written_by_
             "--nnodes >= 2)") in lines
     assert (tmp_path / "conformance-report" / "report.json").is_file() and \
         f"conformance report: {tmp_path / 'conformance-report' / 'report.json'}" in proc.stdout
-
-
-def test_a_plugin_that_claims_a_short_flag_keeps_it_and_the_suite_takes_its_namespaced_one(tmp_path, run_pytest):
-    """Another plugin's `--adapter` and `--runner`: pytest starts, that plugin reads its own values,
-    and the suite is reached through `--conformance-adapter` and `--conformance-runner`."""
-    (tmp_path / "other_plugin.py").write_text(textwrap.dedent('''
-        def pytest_addoption(parser):
-            parser.addoption("--adapter", default=None)
-            parser.addoption("--runner", default=None)
-
-        def pytest_configure(config):
-            with open("other_plugin.txt", "w") as f:
-                f.write(f"adapter={config.getoption('adapter')!r} runner={config.getoption('runner')!r}")
-    '''))
-    proc = run_pytest("-p", "other_plugin", "--adapter=theirs", "--runner=theirs-too", "--pyargs", "conformance",
-                      "--conformance-adapter=fixtures.python_adapter:ADAPTER", "--conformance-runner=fresh",
-                      "--hypothesis-profile=quick", "-k", "determinism")
-    assert "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert (tmp_path / "other_plugin.txt").read_text() == "adapter='theirs' runner='theirs-too'"
-    assert "(fixtures.python_adapter:ADAPTER)" in proc.stdout   # the suite says which trainer it tested
-
-
-def test_the_short_spellings_still_reach_the_suite_where_no_other_plugin_claims_them():
-    from conformance.options import ALIASES, OPTIONS, short_aliases
-    assert set(ALIASES.values()) - {"--conformance-expected-failures-lenient"} <= {flag for flag, _ in OPTIONS.values()}
-    assert short_aliases(["--adapter=a:B", "--runner", "fresh", "-k", "x"], set()) == \
-        ["--conformance-adapter=a:B", "--conformance-runner", "fresh", "-k", "x"]
-    assert short_aliases(["--adapter=a:B", "--runner=fresh"], {"--adapter"}) == ["--adapter=a:B", "--conformance-runner=fresh"]
