@@ -33,7 +33,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent
 
-for _name in ("conformance", "reference", "fixtures"):
+for _name in ("conformance", "resume_conformance.reference", "resume_conformance.fixtures"):
     _where = Path(importlib.import_module(_name).__file__).resolve()
     if not _where.is_relative_to(REPO):
         raise pytest.UsageError(

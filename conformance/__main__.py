@@ -40,11 +40,27 @@ def _replay(args) -> int:
     except AdapterError as exc:
         print(f"error: cannot use the trainer: {exc}", file=sys.stderr)
         return 2
-    session = Session(adapter, tol=args.loss_tol, process_timeout=args.process_timeout, grace_s=args.grace_seconds,
-                      resume_python=args.resume_python, hang_timeout=args.hang_timeout)
+    for name in ("process_timeout", "grace_seconds", "hang_timeout", "loss_tol"):
+        value = getattr(args, name)
+        if value is not None and not (value > 0 or (name == "loss_tol" and value == 0)):
+            print(f"error: --{name.replace('_', '-')} {value:g} is not {'0 or more' if name == 'loss_tol' else 'positive'}",
+                  file=sys.stderr)
+            return 2
+    cold = args.cold_url or "file"
+    if cold != "file" and not cold.startswith("s3://"):
+        print(f"error: --cold-url must be 'file' or s3://bucket/prefix, got {cold!r}", file=sys.stderr)
+        return 2
+    given = {k: v for k, v in (("tol", args.loss_tol), ("grace_s", args.grace_seconds),
+                               ("hang_timeout", args.hang_timeout)) if v is not None}
+    session = Session(adapter, process_timeout=args.process_timeout, resume_python=args.resume_python, cold=cold,
+                      **given)
     spec = RunSpec(args.total_steps, args.save_every, args.seed, adapter.world_size, nnodes=adapter.nnodes,
                    node_local=adapter.has("node_local_storage"),
-                   cold="file" if adapter.has("cold_tier") else None)
+                   cold=cold if adapter.has("cold_tier") else None)
+    s3 = None
+    if cold.startswith("s3://") and adapter.has("cold_tier"):
+        from .run.coldstore import LoopbackS3
+        s3 = LoopbackS3(cold)
     try:
         result = check.decide(session, spec, param, case)
     except (ConformanceFailure, CrashNotLanded) as exc:
@@ -55,6 +71,8 @@ def _replay(args) -> int:
         return 2
     finally:
         session.close()
+        if s3 is not None:
+            s3.stop()
     extra = f"; checked {result} state(s)" if isinstance(result, int) else ""
     print(f"PASS [{args.check}]{extra} (work files kept in {session.workdir})")
     return 0
@@ -114,7 +132,7 @@ def _soak(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .checks import CHECKS, all_check_ids
     from .cli.soak import add_arguments as add_soak_arguments
-    from .model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
+    from .model.flags import FLAGS
     parser = argparse.ArgumentParser(prog="python -m conformance")
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay one case exactly, from the line a failure printed")
@@ -130,12 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--seed", type=int, default=0)
     for option in dict.fromkeys(c.case for c in CHECKS if c.case is not None):
         rp.add_argument(f"--{option.name.replace('_', '-')}", dest=option.name, help=option.help)
-    rp.add_argument("--loss-tol", type=float, default=DEFAULT_TOL)
-    rp.add_argument("--process-timeout", type=float, default=None, metavar="SECONDS")
-    rp.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS")
-    rp.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S, metavar="SECONDS")
-    rp.add_argument("--resume-python", default=None, metavar="PATH", help="upgrade_resume: another environment's "
-                    "Python interpreter")
+    for flag in FLAGS:   # the options a failure's replay line carries (model/flags.py: verdict=True)
+        if flag.verdict:
+            rp.add_argument(flag.short, flag.flag, dest=flag.name, metavar=flag.metavar, help=flag.help,
+                            type=float if flag.kind in ("seconds", "tolerance") else None)
     rep = sub.add_parser("report", help="render a saved report.json, or merge a campaign's (exit 1 if it holds "
                          "failures)")
     rep.add_argument("path", nargs="?", help="report.json written by --conformance-report")

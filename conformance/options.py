@@ -1,5 +1,6 @@
-"""The suite's options: each command-line flag with its ini key, how a value is read (the flag,
-else the ini key), and the checks of values that are not a plain string."""
+"""The suite's options in pytest: registered from the one table (model/flags.py) with their ini
+keys and short spellings, how a value is read (the flag, else the ini key), and the checks of
+values that are not a plain string."""
 from __future__ import annotations
 
 import os
@@ -7,85 +8,70 @@ import shutil
 
 import pytest
 
-from .model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
+from .model.flags import BY_NAME, FLAGS
+from .model.settings import OLD_PROFILE_NAMES
 
-OPTIONS = {   # name -> (command-line flag, ini key)
-    "adapter": ("--adapter", "conformance_adapter"),
-    "trainer_cmd": ("--trainer-cmd", "conformance_trainer_cmd"),
-    "runner": ("--runner", "conformance_runner"),
-    "loss_tol": ("--loss-tol", "conformance_loss_tol"),
-    "process_timeout": ("--process-timeout", "conformance_process_timeout"),
-    "grace_seconds": ("--grace-seconds", "conformance_grace_seconds"),
-    "cold_url": ("--cold-url", "conformance_cold_url"),
-    "world_size": ("--world-size", "conformance_world_size"),
-    "nnodes": ("--nnodes", "conformance_nnodes"),
-    "rdzv_port": ("--rdzv-port", "conformance_rdzv_port"),
-    "report": ("--conformance-report", "conformance_report"),
-    "expected_failures": ("--expected-failures", "conformance_expected_failures"),
-    "resume_python": ("--resume-python", "conformance_resume_python"),
-    "hang_timeout": ("--hang-timeout", "conformance_hang_timeout"),
-    "confirm": ("--confirm", "conformance_confirm"),
-}
+OPTIONS = {f.name: (f.flag, f.ini_key) for f in FLAGS}   # name -> (command-line flag, ini key)
 USAGE_PREFIX = "conformance usage error: "
 DEFAULT_REPORT_DIR = "conformance-report"   # relative to the working directory: reports and plots outlive the run
 
 
 def add_options(parser) -> None:
-    """The suite's command-line options and their ini keys (the plugin's pytest_addoption)."""
+    """The suite's command-line options and their ini keys (the plugin's pytest_addoption), all in
+    its own namespace: argparse shares dests between plugins, so those are namespaced too."""
     group = parser.getgroup("conformance", "resume-determinism conformance suite")
-    group.addoption("--adapter", default=None,
-                    help="Python adapter 'package.module:attribute' (default: the bundled reference trainer)")
-    group.addoption("--trainer-cmd", default=None,
-                    help="command that starts the trainer following the command contract")
-    group.addoption("--runner", choices=("warm", "fresh"), default=None,
-                    help="warm: fork trainer processes from a process that imported torch once "
-                         "(default); fresh: a new interpreter per process")
-    group.addoption("--loss-tol", type=float, default=None,
-                    help=f"max absolute loss difference per step (default {DEFAULT_TOL:g})")
-    group.addoption("--process-timeout", type=float, default=None, metavar="SECONDS",
-                    help="kill a trainer process after this long (default: 10x the baseline run, at "
-                         "least 60 s; 600 s for the first run); half of it without a new step also kills")
-    group.addoption("--grace-seconds", type=float, default=None, metavar="SECONDS",
-                    help=f"preemption: how long after SIGTERM the trainer may run before SIGKILL (default "
-                         f"{DEFAULT_GRACE_S:g}; SLURM and Kubernetes default to 30)")
-    group.addoption("--cold-url", default=None, metavar="URL",
-                    help="capability cold_tier: 'file' (default: a directory beside each checkpoint directory) or "
-                         "s3://bucket/prefix (the suite starts moto's S3 server on loopback for the run)")
-    group.addoption("--world-size", default=None, metavar="W",
-                    help="run the trainer as W ranks under torchrun (default: the adapter's world_size, or 1)")
-    group.addoption("--nnodes", default=None, metavar="N",
-                    help="spread the W ranks over N torchrun agents on this machine, one per 'node', meeting "
-                         "through c10d rendezvous (default: the adapter's nnodes, or 1)")
-    group.addoption("--rdzv-port", default=None, metavar="PORT",
-                    help="torchrun's rendezvous port for every job (default: a free port per job)")
-    group.addoption("--conformance-report", default=None, metavar="DIR",
-                    help="write DIR/report.json (every check, its outcome and the numbers behind it), "
-                         "DIR/summary.md (for a pull request) and DIR/plots/*.png (default: ./conformance-report)")
-    group.addoption("--expected-failures", default=None, metavar="FILE",
-                    help="lines '<check id> : <reason>': those checks are expected to fail (strict)")
-    group.addoption("--hang-timeout", type=float, default=None, metavar="SECONDS",
-                    help=f"hang: how long a job may run after one of its ranks is stopped (SIGSTOP) before it "
-                         f"counts as hung (default {DEFAULT_HANG_TIMEOUT_S:g}; the trainer is told a third of it in "
-                         "CONFORMANCE_HANG_TIMEOUT)")
-    group.addoption("--resume-python", default=None, metavar="PATH",
-                    help="upgrade_resume: another environment's Python interpreter (another torch, numpy or "
-                         "library version); checkpoints are saved in one and resumed in the other, both ways")
-    group.addoption("--confirm", choices=("fresh", "off"), default=None,
-                    help="fresh (default): a failure found under the warm runner is replayed once in a fresh "
-                         "interpreter per process before it is reported; when that passes, the run reports a runner "
-                         "disagreement instead of failing the trainer. off: report what the warm runner found")
-    group.addoption("--expected-failures-lenient", action="store_true", default=False,
-                    help="a listed check that passes does not fail the run")
-    for flag, ini in OPTIONS.values():
-        parser.addini(ini, f"default for {flag}")
+    for f in FLAGS:
+        if f.kind == "switch":
+            group.addoption(f.flag, dest=f.dest, action="store_true", default=False, help=f.help)
+        else:
+            group.addoption(f.flag, dest=f.dest, default=None, metavar=f.metavar, help=f.help,
+                            **({"choices": f.choices} if f.choices else {}))
+        if f.ini:
+            parser.addini(f.ini_key, f"default for {f.flag}")
+
+
+def add_short_spellings(parser) -> list[str]:
+    """Register each option's short spelling (`--adapter`) as an alias, except a flag that another
+    plugin or conftest registered by now: that one stays theirs (argparse would refuse both, and
+    pytest would not start). Returns the short spellings left to others."""
+    groups = [*parser._groups, parser._anonymous]
+    claimed = {name for group in groups for opt in group.options for name in opt.names()}
+    group = parser.getgroup("conformance")
+    taken = []
+    for f in FLAGS:
+        if f.short is None:
+            continue
+        if f.short in claimed:
+            taken.append(f.short)
+            continue
+        extra = {"action": "store_true"} if f.kind == "switch" else {"choices": f.choices} if f.choices else {}
+        group.addoption(f.short, dest=f.dest, help=f"short for {f.flag}", **extra)
+    return taken
 
 
 def option(config, name: str):
-    flag, ini = OPTIONS[name]
-    value = config.getoption(flag)
-    if value is None:
-        value = config.getini(ini) or None
+    value = config.getoption(BY_NAME[name].dest)
+    if value is None and BY_NAME[name].ini:
+        value = config.getini(BY_NAME[name].ini_key) or None
     return value
+
+
+def number(config, name: str, default: float | None) -> float | None:
+    """A numeric option (seconds: positive; a tolerance: 0 or more), from the flag or the ini key;
+    one usage error for a value that is not one, whichever way it was given."""
+    value = option(config, name)
+    if value is None:
+        return default
+    flag = BY_NAME[name]
+    what = "a positive number of seconds" if flag.kind == "seconds" else "a number, 0 or more"
+    try:
+        number = float(value)
+        if not (number > 0 if flag.kind == "seconds" else number >= 0) or number != number or number == float("inf"):
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"{USAGE_PREFIX}{flag.spelling} {value!r} is not {what}\n  fix: {flag.spelling}="
+                                f"{'30' if flag.kind == 'seconds' else '1e-4'}, or leave it unset for the default") from None
+    return number
 
 
 def resume_interpreter(config) -> str | None:
@@ -116,14 +102,17 @@ def rdzv_port(config) -> int | None:
 
 def positive_seconds(config, name: str, default: float) -> float:
     """A number of seconds option (e.g. --hang-timeout): positive, else a usage error."""
-    value = option(config, name)
-    if value is None:
-        return default
-    try:
-        seconds = float(value)
-        if not seconds > 0:
-            raise ValueError
-    except ValueError:
-        raise pytest.UsageError(f"{USAGE_PREFIX}{OPTIONS[name][0]} {value!r} is not a positive number of seconds") \
-            from None
-    return seconds
+    return number(config, name, default)
+
+
+def accept_old_profile_name(name: str | None) -> None:
+    """`--hypothesis-profile=conformance-ci` (the suite's name before 0.2), where nothing else registered `ci`:
+    Hypothesis gets that name as the suite's profile so that it loads; a team's own `ci` stays
+    theirs. The suite's tests run under suite_profile() either way."""
+    from hypothesis import settings
+    from hypothesis.errors import InvalidArgument
+    if name in OLD_PROFILE_NAMES:
+        try:
+            settings.get_profile(name)
+        except InvalidArgument:
+            settings.register_profile(name, settings.get_profile(OLD_PROFILE_NAMES[name]))

@@ -19,14 +19,18 @@ import pytest
 
 from .checks import Session
 from .model import evidence
-from .model import settings as _settings  # noqa: F401  (registers the Hypothesis profiles)
+from .model import settings as _settings  # registers the Hypothesis profiles
 from .model.adapters import AdapterError, TrainerAdapter, checked_shape, checked_world_size, resolve
+from .model.flags import FLAGS
 from .model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
 from .options import (  # noqa: F401
     DEFAULT_REPORT_DIR,
     OPTIONS,
     USAGE_PREFIX,
+    accept_old_profile_name,
     add_options,
+    add_short_spellings,
+    number,
     option,
     positive_seconds,
     rdzv_port,
@@ -51,17 +55,24 @@ def pytest_addoption(parser):
     add_options(parser)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    """Once every plugin and the initial conftests registered their options, the suite's short
+    spellings (--adapter, --runner, ...) become aliases of its --conformance-* options, except a
+    flag someone else registered: that one stays theirs, and pytest starts with both installed."""
+    result = yield
+    early_config._conformance_short_taken = add_short_spellings(parser)
+    return result
+
+
 @pytest.fixture(scope="session")
 def conformance_session_for(request, tmp_path_factory):
     """Factory: a cached Session for an adapter given by class attribute or options."""
     config = request.config
     cache: dict = {}
-    tol = option(config, "loss_tol")
-    tol = float(tol) if tol is not None else DEFAULT_TOL
-    timeout = option(config, "process_timeout")
-    timeout = float(timeout) if timeout is not None else None
-    grace = option(config, "grace_seconds")
-    grace = float(grace) if grace is not None else DEFAULT_GRACE_S
+    tol = number(config, "loss_tol", DEFAULT_TOL)
+    timeout = number(config, "process_timeout", None)
+    grace = number(config, "grace_seconds", DEFAULT_GRACE_S)
     jobs = JobConfig(port=rdzv_port(config))
     cold = option(config, "cold_url") or "file"
     if cold != "file" and not cold.startswith("s3://"):
@@ -117,10 +128,9 @@ def _resolve(config, adapter, trainer_cmd, world_size=None, nnodes=None) -> Trai
     else:
         resolved = resolve(adapter, trainer_cmd, rootdir=config.rootpath, world_size=size, nnodes=nodes)
     # What is loaded by now (torch, through the trainer's module) lives as long as the process:
-    # kept out of every later collection, and out of the five that pytest's unraisable-exception
-    # cleanup runs at exit, each of which walked torch's objects again (0.1 s each here). A suite
-    # process's start and exit: 2.8 -> 2.0 s. Only once a trainer is loaded: a pytest run that
-    # merely has this plugin installed keeps its collector as it was.
+    # kept out of every later collection, and out of the ones pytest's unraisable-exception cleanup
+    # runs at exit, each of which would walk torch's objects again. Only once a trainer is loaded:
+    # a pytest run that merely has this plugin installed keeps its collector as it was.
     _SUITE_LOADED.append(True)
     _freeze()
     return resolved
@@ -185,15 +195,22 @@ class UsageErrors:
 
 @pytest.hookimpl(tryfirst=True)   # before Hypothesis's own, which loads the profile
 def pytest_configure(config):
+    accept_old_profile_name(config.getoption("hypothesis_profile", None))
     if not hasattr(config, "workerinput"):   # the controller (or a run without xdist): check once
         problem = unknown_ini_keys(config, {ini for _, ini in OPTIONS.values()}) \
             or profile_problem(config.getoption("hypothesis_profile", None)) or _settings.EXAMPLE_DB_PROBLEM
         if problem:
             raise pytest.UsageError(problem)
+        # Every value is checked before any test runs, the same way from the command line or the ini file.
+        for name in ("loss_tol", "process_timeout", "grace_seconds", "hang_timeout"):
+            number(config, name, None)
+        rdzv_port(config)
+        resume_interpreter(config)
         config._conformance_adapter = None
         named = {name: option(config, name) for name in ("adapter", "trainer_cmd")}
         requested = _suite_requested(config)
-        problem = trainer_naming_problem(named, OPTIONS, os.environ if requested else {})
+        spelled = {f.name: (f.spelling, f.ini_key) for f in FLAGS}   # as the user most likely typed it
+        problem = trainer_naming_problem(named, spelled, os.environ if requested else {})
         if problem:
             raise pytest.UsageError(problem)
         if requested:
@@ -237,7 +254,7 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     path, entries = getattr(config, "_conformance_expected", (None, []))
-    strict = not config.getoption("--expected-failures-lenient")
+    strict = not option(config, "expected_failures_lenient")
     for item in items:
         if entries and _conformance_class(item) is not None:
             entry = expected.match(entries, _check_id(item))
@@ -365,7 +382,7 @@ class ReportCollector:
                 terminalreporter.write_line(f"  {case.check}: {skip_text(case.reason)}")
         directory = option(self.config, "report") or DEFAULT_REPORT_DIR
         adapter = next((c.adapter for c in self.cases if c.adapter), None)
-        profile = self.config.getoption("hypothesis_profile", None)
+        profile = _settings.suite_profile(self.config.getoption("hypothesis_profile", None) or "default")
         built = reports.environment(adapter, profile, self.cases, _header(self.config))
         for _, found in built.disagreements:   # passed for the trainer; a problem of the suite's, said out loud
             terminalreporter.write_line(f"conformance: {found.summary()}", yellow=True, bold=True)

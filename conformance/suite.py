@@ -25,15 +25,18 @@ from .checks.registry import case_text
 from .faults.scenario import CrashNotLanded, CrashPointMissing
 from .model import evidence
 from .model.process import RunSpec
-from .model.settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK
+from .model.settings import CADENCES, SEED, SEEDED_PROFILES, SLOW_OK, suite_profile
 from .options import option
 
 ACCEPTED_ATTRIBUTES = ("adapter", "trainer_cmd", "world_size", "nnodes")
 
 
 def _profile_seed(test):
-    """Fix the seed under the gate profile: same code, same draws, same verdict."""
-    fixed = SEEDED_PROFILES.get(settings.get_current_profile_name())
+    """The suite's own profile (suite_profile), and its fixed seed where it has one: same code,
+    same draws, same verdict."""
+    name = suite_profile(settings.get_current_profile_name())
+    test = settings(settings.get_profile(name), **SLOW_OK)(test)
+    fixed = SEEDED_PROFILES.get(name)
     return test if fixed is None else seed(fixed)(test)
 
 
@@ -163,13 +166,11 @@ def _make_test(check: Check):
             run(request, session, None)
     elif check.params:
         @_profile_seed
-        @settings(**SLOW_OK)
         @given(data=st.data())
         def drawn(self, request, session, param, data):
             run(request, session, param, data)
     else:
         @_profile_seed
-        @settings(**SLOW_OK)
         @given(data=st.data())
         def drawn(self, request, session, data):
             run(request, session, None, data)

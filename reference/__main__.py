@@ -1,8 +1,8 @@
-"""`python -m reference COMMAND`: tools for checkpoint directories written by this library.
+"""`python -m resume_conformance.reference COMMAND`: tools for checkpoint directories written by this library.
 
-    python -m reference fsck DIR     verify every checkpoint in DIR (exit 0/1/2/3, see --help)
-    python -m reference fsck --gc DIR   list orphan pieces of chained checkpoints (--no-dry-run removes)
-    python -m reference log DIR      the checkpoints as a lineage DAG (--format dot, --cold URL)
+    python -m resume_conformance.reference fsck DIR     verify every checkpoint in DIR (exit 0/1/2/3, see --help)
+    python -m resume_conformance.reference fsck --gc DIR   list orphan pieces of chained checkpoints (--no-dry-run removes)
+    python -m resume_conformance.reference log DIR      the checkpoints as a lineage DAG (--format dot, --cold URL)
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .cli import fsck, log
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="python -m reference",
+    top = argparse.ArgumentParser(prog="python -m resume_conformance.reference",
                                   description="Tools for checkpoint directories written by the reference library.")
     sub = top.add_subparsers(dest="command", metavar="COMMAND")
     fsck.add_parser(sub)
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if exc.code in (0, None) else 2
     if args.command is None:
         top.print_usage(sys.stderr)
-        print("python -m reference: error: give a COMMAND (see --help)", file=sys.stderr)
+        print("python -m resume_conformance.reference: error: give a COMMAND (see --help)", file=sys.stderr)
         return 2
     return args.run(args)
 

@@ -24,8 +24,7 @@ import os
 import sys
 
 import torch
-
-import reference
+from resume_conformance import reference
 
 
 def _payload(step: int) -> dict:

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 from hypothesis import strategies as st
-
-import reference
+from resume_conformance import reference
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]

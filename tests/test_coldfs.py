@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from reference.cold.fs import ColdStorageError, check_reachable, open_cold
+from resume_conformance.reference.cold.fs import ColdStorageError, check_reachable, open_cold
 
 # The fixture (a moto server + bucket for this module); parameters named moto_s3 then read as F811.
 from tests.s3server import moto_s3  # noqa: F401
@@ -53,7 +52,7 @@ def test_subprocess_reaches_store_through_env_and_listings_are_fresh(moto_s3):  
     assert fs.ls(root, detail=False) == [f"{root}/from-parent"]   # listed once: a cache would now be stale
     child = (
         "import sys\n"
-        "from reference.cold.fs import check_reachable, open_cold\n"
+        "from resume_conformance.reference.cold.fs import check_reachable, open_cold\n"
         "fs, root = open_cold(sys.argv[1], timeout_s=5)\n"   # no storage_options: endpoint, keys from env
         "check_reachable(fs, root, sys.argv[1], timeout_s=5)\n"
         "print(fs.s3.meta.endpoint_url, fs.cat_file(root + '/from-parent').decode())\n"

@@ -19,11 +19,10 @@ import pytest
 pytest.importorskip("safetensors")
 
 import torch
+from resume_conformance.fixtures import commit_marker_trainer as cm
+from resume_conformance.fixtures.contract import RunConfig
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
-from fixtures import commit_marker_trainer as cm
-from fixtures.contract import RunConfig
 
 LEGACY_V1 = Path(cm.__file__).parent / "legacy" / "commit-marker-v1" / "ckpt-7"
 
@@ -290,6 +289,6 @@ def test_v1_sample_migrates_and_continues_the_uninterrupted_curve(tmp_path):
 
 
 def test_adapter_declares_the_legacy_sample():
-    assert cm.ADAPTER.spec == "fixtures.commit_marker_trainer:ADAPTER"
+    assert cm.ADAPTER.spec == "resume_conformance.fixtures.commit_marker_trainer:ADAPTER"
     assert {"syscall_crash", "sharded"} <= cm.ADAPTER.capabilities
     assert [(s.name, s.seed, s.step) for s in cm.ADAPTER.legacy_samples] == [("ckpt-7", 0, 7)]

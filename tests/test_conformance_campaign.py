@@ -26,7 +26,7 @@ from conformance.report import merge, report
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW = REPO / "examples" / "conformance-campaign.yml"
 K8S = REPO / "examples" / "conformance-campaign-k8s.yaml"
-ADAPTER = report.AdapterInfo("reference_trainer", "fixtures.reference_trainer:ADAPTER", "", ("syscall_crash",))
+ADAPTER = report.AdapterInfo("reference_trainer", "resume_conformance.fixtures.reference_trainer:ADAPTER", "", ("syscall_crash",))
 L1 = level_ids(LEVELS[0][2])
 
 
@@ -125,7 +125,8 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[Path], type, Path, str]]
     (tmp_path / "notjson.json").write_text("{nope")
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"schema": "conformance-report/1", "cases": []}))
-    other = _write(tmp_path / "other", [_case("preemption")], adapter=report.AdapterInfo("chain", "fixtures.chain:A", "", ()))
+    other = _write(tmp_path / "other", [_case("preemption")], adapter=report.AdapterInfo(
+        "chain", "resume_conformance.fixtures.chain:A", "", ()))
     newer = _write(tmp_path / "newer", [_case("preemption")], suite="9.9.9")
     fuzz = _write(tmp_path / "fuzz", [_case("preemption")], profile="fuzz-random")
     for run in ("t1-x-run1", "t1-x-run2"):
@@ -354,7 +355,7 @@ def test_the_workflow_runs_one_campaign_over_its_matrix_and_merges_every_shard(t
         soak_step["run"], _workflow_env(_values("777", i, n), soak_step), tmp_path / f"m{i}")])
     assert {p.seed for p in parsed} == {777}                               # the same campaign seed everywhere
     assert sorted(p.shard for p in parsed) == [(i, n) for i in shards]     # N = the matrix size, each shard once
-    assert {p.trainers[0].adapter for p in parsed} == {"fixtures.reference_trainer:ADAPTER"}
+    assert {p.trainers[0].adapter for p in parsed} == {"resume_conformance.fixtures.reference_trainer:ADAPTER"}
     upload = next(s for s in doc["jobs"]["shard"]["steps"] if "upload-artifact" in s.get("uses", ""))
     assert upload["if"] == "always()" and all(line.startswith(f"{parsed[0].out}/")
                                               for line in upload["with"]["path"].split())

@@ -140,8 +140,8 @@ def test_from_a_trace_recorded_for_paths_only():
 
 @pytest.mark.slow
 @pytest.mark.needs_strace
-@pytest.mark.parametrize("adapter, fallback", [("fixtures.reference_trainer:ADAPTER", 9),
-                                               ("fixtures.keep_one_trainer:ADAPTER", 0)])
+@pytest.mark.parametrize("adapter, fallback", [("resume_conformance.fixtures.reference_trainer:ADAPTER", 9),
+                                               ("resume_conformance.fixtures.keep_one_trainer:ADAPTER", 0)])
 def test_the_prefix_run_tells_what_a_damaged_checkpoint_may_fall_back_to(tmp_path, adapter, fallback):
     session = Session(load_object(adapter), workdir=Path(tempfile.mkdtemp(dir=tmp_path)))
     try:
@@ -157,7 +157,8 @@ def test_the_prefix_run_tells_what_a_damaged_checkpoint_may_fall_back_to(tmp_pat
 @pytest.mark.needs_strace
 def test_a_correct_trainer_keeping_one_checkpoint_passes_corruption_detected(run_suite):
     """Issue 22: it starts from scratch when its only checkpoint is damaged, which is right."""
-    verdicts, out = run_suite("--adapter=fixtures.keep_one_trainer:ADAPTER", "--hypothesis-profile=quick",
+    verdicts, out = run_suite("--adapter=resume_conformance.fixtures.keep_one_trainer:ADAPTER",
+                              "--hypothesis-profile=conformance-quick",
                               "-k", "test_corruption_detected or test_determinism_precondition")
     ran = {name: v for name, v in verdicts.items() if name.startswith("test_corruption_detected[")}
     assert set(ran) == {"test_corruption_detected[truncate]", "test_corruption_detected[bitflip]",

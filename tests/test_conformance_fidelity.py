@@ -118,7 +118,7 @@ def test_fifty_warm_ddp_jobs_that_destroy_their_group_all_exit(tmp_path):
     """A correct 2-rank DDP trainer whose main() ends with barrier and destroy_process_group and
     returns with its model a local: under the warm runner before the fix, about one job in ten hung
     at exit (3 of 30 measured); under torchrun none."""
-    adapter = load_object("fixtures.plain_ddp_trainer:ADAPTER")
+    adapter = load_object("resume_conformance.fixtures.plain_ddp_trainer:ADAPTER")
     runner = WarmRunner(limits=Limits(total_s=60, stall_s=30, job_stall_s=30))
     spec = RunSpec(total_steps=4, save_every=3, seed=0, world_size=2)
     outcomes = []
@@ -138,7 +138,7 @@ def test_fifty_warm_ddp_jobs_that_destroy_their_group_all_exit(tmp_path):
 
 def test_a_crash_after_the_last_step_counts_as_a_finished_run_and_is_noted(tmp_path):
     """torch's gloo teardown can abort a correct DDP rank at interpreter exit (1 of 40 bare torchrun
-    runs of fixtures.plain_ddp_trainer): the run finished; its exit is a note, not a verdict."""
+    runs of resume_conformance.fixtures.plain_ddp_trainer): the run finished; its exit is a note, not a verdict."""
     from conformance.model import evidence
     from conformance.model.process import ProcessResult
     from conformance.run.runners import crash_at_exit
@@ -153,7 +153,7 @@ def test_a_crash_after_the_last_step_counts_as_a_finished_run_and_is_noted(tmp_p
     assert crash_at_exit(ProcessResult(1, done, report, rank_losses=(done, {1: 1.0})), job) is None
     assert crash_at_exit(ProcessResult(1, done, report.replace("-6", "1"), rank_losses=(done, done)), job) is None
     # torchrun ends the ranks still exiting when one crashed (SIGTERM): measured in a soak, the fresh
-    # second run of fixtures.plain_ddp_trainer, rank 0 SIGABRT at exit, rank 1 -15.
+    # second run of resume_conformance.fixtures.plain_ddp_trainer, rank 0 SIGABRT at exit, rank 1 -15.
     terminated = "[torchrun]   exitcode  : -15 (pid: 27621)\n" + report
     assert crash_at_exit(ProcessResult(1, done, terminated, rank_losses=(done, done)), job) == "SIGABRT"
     assert crash_at_exit(ProcessResult(1, done, terminated.replace("-6", "-15"), rank_losses=(done, done)), job) is None
@@ -248,8 +248,8 @@ WARM_ONLY_BUG = '''
 it logs every loss 1e-3 off. Every real restart of it is correct."""
 import sys
 
-from fixtures.broken._base import adapter_for
-from fixtures.reference_trainer import ReferenceTrainer, main
+from resume_conformance.fixtures.broken._base import adapter_for
+from resume_conformance.fixtures.reference_trainer import ReferenceTrainer, main
 
 
 class WarmOnlyBug(ReferenceTrainer):
@@ -275,7 +275,7 @@ if __name__ == "__main__":
 @pytest.mark.needs_strace
 def test_a_warm_failure_that_a_fresh_interpreter_does_not_repeat_is_the_suites_problem(run_suite, tmp_path):
     (tmp_path / "warm_only_bug.py").write_text(WARM_ONLY_BUG)
-    verdicts, out = run_suite("--adapter=warm_only_bug:ADAPTER", "--hypothesis-profile=quick", "--confirm=fresh",
+    verdicts, out = run_suite("--adapter=warm_only_bug:ADAPTER", "--hypothesis-profile=conformance-quick", "--confirm=fresh",
                               "-k", "resume_matches_baseline")
     assert verdicts["test_resume_matches_baseline"][0] == "passed", out[-3000:]   # never the trainer's failure
     assert "conformance: RUNNER DISAGREEMENT: the warm runner failed resume_matches_baseline" in out, out[-3000:]
@@ -288,7 +288,8 @@ def test_a_warm_failure_that_a_fresh_interpreter_does_not_repeat_is_the_suites_p
 @pytest.mark.slow
 @pytest.mark.needs_strace
 def test_a_failure_a_fresh_interpreter_repeats_is_reported_as_confirmed(run_suite):
-    verdicts, out = run_suite("--adapter=fixtures.broken.numpy_rng_not_saved:ADAPTER", "--hypothesis-profile=quick",
+    verdicts, out = run_suite("--adapter=resume_conformance.fixtures.broken.numpy_rng_not_saved:ADAPTER",
+                              "--hypothesis-profile=conformance-quick",
                               "--confirm=fresh", "-k", "resume_matches_baseline")
     outcome, message = verdicts["test_resume_matches_baseline"]
     assert outcome == "failed", out[-3000:]
@@ -347,7 +348,7 @@ def test_where_strace_cannot_attach_the_suite_runs_fresh_and_says_why(run_pytest
     wrapper = bin_dir / "strace"
     wrapper.write_text(REFUSING_STRACE.replace("REAL", shutil.which("strace")))
     wrapper.chmod(0o755)
-    proc = run_pytest("--pyargs", "conformance", "--hypothesis-profile=quick", "-k",
+    proc = run_pytest("--pyargs", "conformance", "--hypothesis-profile=conformance-quick", "-k",
                       "determinism or resume_matches_baseline", env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "2 passed" in out, out[-3000:]
@@ -384,7 +385,8 @@ def test_nothing_the_suite_started_outlives_it(tmp_path, signum):
     env = {k: v for k, v in os.environ.items() if k not in (ROOT_ENV, "PYTEST_XDIST_WORKER")}
     env[token.split("=")[0]] = token.split("=")[1]
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
-                             "-n", "2", "--adapter=fixtures.plain_ddp_trainer:ADAPTER", "--hypothesis-profile=quick",
+                             "-n", "2", "--adapter=resume_conformance.fixtures.plain_ddp_trainer:ADAPTER",
+                                 "--hypothesis-profile=conformance-quick",
                              f"--basetemp={tmp_path / 'bt'}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:

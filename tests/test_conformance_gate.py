@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from resume_conformance.fixtures import CORRECT_TRAINERS
+from resume_conformance.fixtures.broken import CATALOGUE
 
 from conformance.checks import BY_ID, all_check_ids, split_id
 from conformance.model.adapters import load_object
-from fixtures import CORRECT_TRAINERS
-from fixtures.broken import CATALOGUE
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs_strace]
 
@@ -52,23 +52,24 @@ def test_the_catalogue_names_registered_checks():
 
 @pytest.mark.parametrize("adapter", CORRECT_TRAINERS)
 def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter):
-    if adapter.startswith(("fixtures.commit_marker_trainer", "fixtures.inflight_trainer")):
+    if adapter.startswith(("resume_conformance.fixtures.commit_marker_trainer", "resume_conformance.fixtures.inflight_trainer")):
         pytest.importorskip("safetensors", reason="the commit-marker trainer needs the 'safetensors' extra")
-    if adapter.startswith("fixtures.careful_loop"):
+    if adapter.startswith("resume_conformance.fixtures.careful_loop"):
         pytest.importorskip("torchdata", reason="the careful loop needs the 'torchdata' extra")
-    if adapter.startswith("fixtures.chain_trainer"):
+    if adapter.startswith("resume_conformance.fixtures.chain_trainer"):
         pytest.importorskip("zstandard", reason="the chain trainer compresses: it needs the 'compression' extra")
-    if adapter.startswith("fixtures.tiered_trainer"):
+    if adapter.startswith("resume_conformance.fixtures.tiered_trainer"):
         pytest.importorskip("fsspec", reason="the tiered trainer's cold tier needs the 'cold' extra")
     # Three trainers run the gate under `ci` here: the reference trainer, one with run-random temp
     # names (mkstemp) and one with saves in flight across steps; every other correct trainer runs
     # every check under `quick` (3 examples each), which keeps CI near 15 minutes on 2 cores. Every
     # correct trainer's `ci` verdicts (8 examples, fresh draws, under load) come from soak runs:
     # `python -m conformance soak --random --profile ci --load 4` (docs/running.md, "Delivery").
-    under_ci = ("fixtures.reference_trainer:ADAPTER", "fixtures.temp_names:MKSTEMP", "fixtures.inflight_trainer:ADAPTER")
+    under_ci = ("resume_conformance.fixtures.reference_trainer:ADAPTER", "resume_conformance.fixtures.temp_names:MKSTEMP",
+                "resume_conformance.fixtures.inflight_trainer:ADAPTER")
     profile = "ci" if adapter in under_ci else "quick"
     # upgrade_resume runs for the reference trainer (against numpy 1.26), and skips for the others.
-    extra = resume_python_args() if adapter == "fixtures.reference_trainer:ADAPTER" else []
+    extra = resume_python_args() if adapter == "resume_conformance.fixtures.reference_trainer:ADAPTER" else []
     loaded = load_object(adapter)
     hang = [HANG_TIMEOUT] if loaded.world_size > 1 else []
     verdicts, out = run_suite(f"--adapter={adapter}", f"--hypothesis-profile={profile}", CONFIRMED, *extra, *hang)
@@ -103,18 +104,17 @@ def test_correct_trainer_passes_every_check_under_ci_profile(run_suite, adapter)
 # shape); the offline checks (crash_states, power_loss, compound_faults, corruption) judge the
 # directory a job leaves whatever its shape, and ran whole for each of these trainers by hand and
 # in soak runs (issue 26's note): under `quick` on 2 cores crash_states alone takes 7 minutes here.
+_SHAPES = "determinism or resume_matches or rank_resume or all_or_nothing or "
 MULTINODE = {
-    "fixtures.ddp_trainer:ADAPTER": "determinism or resume_matches or rank_resume or all_or_nothing or hang or reshard "
-                                    "or preemption or interrupt",
-    "fixtures.real.dcp_trainer:ADAPTER": "determinism or resume_matches or rank_resume or all_or_nothing or reshard",
-    "fixtures.node_local_trainer:ADAPTER": "determinism or resume_matches or rank_resume or all_or_nothing or "
-                                           "node_loss",
+    "resume_conformance.fixtures.ddp_trainer:ADAPTER": _SHAPES + "hang or reshard or preemption or interrupt",
+    "resume_conformance.fixtures.real.dcp_trainer:ADAPTER": _SHAPES + "reshard",
+    "resume_conformance.fixtures.node_local_trainer:ADAPTER": _SHAPES + "node_loss",
 }
 
 
 @pytest.mark.parametrize("adapter", sorted(MULTINODE))
 def test_multinode_trainer_passes_under_quick(run_suite, adapter):
-    verdicts, out = run_suite(f"--adapter={adapter}", "--world-size=4", "--nnodes=2", "--hypothesis-profile=quick",
+    verdicts, out = run_suite(f"--adapter={adapter}", "--world-size=4", "--nnodes=2", "--hypothesis-profile=conformance-quick",
                               CONFIRMED, HANG_TIMEOUT, "-v", "-k", MULTINODE[adapter])
     assert "4 ranks under torchrun on 2 nodes" in out, out[-3000:]
     assert verdicts, out[-3000:]
@@ -123,7 +123,8 @@ def test_multinode_trainer_passes_under_quick(run_suite, adapter):
 
 
 def test_save_order_that_varies_is_named_in_both_runs(run_suite):
-    verdicts, out = run_suite("--adapter=fixtures.broken.save_order_varies:ADAPTER", "--hypothesis-profile=quick",
+    verdicts, out = run_suite("--adapter=resume_conformance.fixtures.broken.save_order_varies:ADAPTER",
+                              "--hypothesis-profile=conformance-quick",
                               "-k", "determinism or no_torn_state")
     outcome, message = verdicts["test_determinism_precondition"]
     assert outcome == "failed", out[-3000:]
@@ -203,8 +204,8 @@ def test_broken_trainers_fail_with_the_intended_check(run_suite_classes, require
         pytest.skip(f"no second environment at {NP126_PYTHON} (.ci/run makes one)")
     tests = {f"Test_{t}": list(dict.fromkeys([f"test_{CATALOGUE[t][1]}", "test_determinism_precondition"]))
              for t in trainers}
-    verdicts, out = run_suite_classes({f"Test_{t}": f"fixtures.broken.{t}:ADAPTER" for t in trainers}, tests,
-                                      "--hypothesis-profile=quick", *_suite_options(check))
+    verdicts, out = run_suite_classes({f"Test_{t}": f"resume_conformance.fixtures.broken.{t}:ADAPTER" for t in trainers}, tests,
+                                      "--hypothesis-profile=conformance-quick", *_suite_options(check))
     problems = [p for t in trainers if (p := _caught_problem(t, verdicts, out))]
     assert not problems, "\n\n".join(problems)
 
@@ -213,7 +214,8 @@ def test_ctrl_c_reaches_the_trainer_when_the_suite_was_started_with_sigint_ignor
     """A shell starts a background job (`bash .ci/run &`) with SIGINT ignored, and an exec keeps
     it ignored: the suite restores Ctrl-C for its trainers, or the interrupt check tests nothing
     (CI of 28546d1's successor missed commit_in_finally this way)."""
-    verdicts, out = run_suite("--adapter=fixtures.broken.commit_in_finally:ADAPTER", "--hypothesis-profile=quick",
+    verdicts, out = run_suite("--adapter=resume_conformance.fixtures.broken.commit_in_finally:ADAPTER",
+                              "--hypothesis-profile=conformance-quick",
                               "-k", "test_interrupt", sigint_ignored=True)
     outcome, message = verdicts.get("test_interrupt", ("missing", out[-2000:]))
     assert outcome == "failed" and "[interrupt]" in message, message[:2000]
@@ -225,8 +227,8 @@ def test_cold_tier_over_s3_through_the_suites_loopback_server(run_suite):
     wiped."""
     pytest.importorskip("moto", reason="the s3 cold tier needs the 's3-test' extra")
     pytest.importorskip("s3fs", reason="the s3 cold tier needs the 'cold' extra")
-    verdicts, out = run_suite("--adapter=fixtures.tiered_trainer:ADAPTER", "--cold-url=s3://conformance-cold/runs",
-                              "--hypothesis-profile=quick", "-k", "node_loss or determinism")
+    verdicts, out = run_suite("--adapter=resume_conformance.fixtures.tiered_trainer:ADAPTER", "--cold-url=s3://conformance-cold/runs",
+                              "--hypothesis-profile=conformance-quick", "-k", "node_loss or determinism")
     assert verdicts.get("test_node_loss", ("missing",))[0] == "passed", out[-3000:]
     assert verdicts["test_determinism_precondition"][0] == "passed", out[-3000:]
 
@@ -243,7 +245,8 @@ def test_an_io_error_failure_shows_the_same_stderr_tail_in_the_run_and_in_its_re
     """Issue 24: a pytest run once showed an empty `stderr:` where `replay` of the same case showed
     torch's message. The faulted process's stderr tail is the trainer's own last words, the same
     by either way in, and for a torch.save that hit ENOSPC it is torch's."""
-    verdicts, out = run_suite("--adapter=fixtures.broken.in_place_write:ADAPTER", "--hypothesis-profile=quick",
+    verdicts, out = run_suite("--adapter=resume_conformance.fixtures.broken.in_place_write:ADAPTER",
+                              "--hypothesis-profile=conformance-quick",
                               "-k", "test_io_error and enospc")
     outcome, message = verdicts.get("test_io_error[enospc]", ("missing", out[-3000:]))
     assert outcome == "failed" and "without naming the error on stderr" in message, message[:3000]
@@ -258,10 +261,10 @@ def test_an_io_error_failure_shows_the_same_stderr_tail_in_the_run_and_in_its_re
 
 
 def test_the_correct_twin_of_the_gradient_accumulation_bug_resumes_exactly(run_suite):
-    # fixtures.broken.data_position_in_optimizer_steps is caught by resume_matches_baseline; the same
+    # resume_conformance.fixtures.broken.data_position_in_optimizer_steps is caught by resume_matches_baseline; the same
     # trainer counting the skip in micro-batches must pass, bitwise (an exact trainer).
-    verdicts, out = run_suite("--adapter=fixtures.broken.data_position_in_optimizer_steps:CORRECT",
-                              "--hypothesis-profile=quick", CONFIRMED, "-k",
+    verdicts, out = run_suite("--adapter=resume_conformance.fixtures.broken.data_position_in_optimizer_steps:CORRECT",
+                              "--hypothesis-profile=conformance-quick", CONFIRMED, "-k",
                               "determinism or resume_matches or no_lost or crash_states")
     assert verdicts, out[-3000:]
     bad = {name: v for name, v in verdicts.items() if v[0] != "passed"}

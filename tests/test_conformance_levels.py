@@ -118,11 +118,12 @@ def test_the_commands_the_generated_files_give_run_as_written(tmp_path):
 
     from conformance.cli.init import GATE, write
     write(tmp_path, "plain")
-    (tmp_path / "conformance_adapter.py").write_text("from fixtures.python_adapter import ADAPTER  # noqa: F401\n")
+    (tmp_path / "conformance_adapter.py").write_text(
+        "from resume_conformance.fixtures.python_adapter import ADAPTER  # noqa: F401\n")
     settings = (tmp_path / "conformance-pytest.toml").read_text()
     assert f"#     {GATE}\n" in settings
     (tmp_path / "pyproject.toml").write_text(settings)
-    env = {**os.environ, "PYTEST_ADDOPTS": "--hypothesis-profile=quick -k determinism_precondition"}
+    env = {**os.environ, "PYTEST_ADDOPTS": "--hypothesis-profile=conformance-quick -k determinism_precondition"}
     env.pop("PYTEST_XDIST_WORKER", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     gate = subprocess.run(GATE, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)

@@ -159,6 +159,6 @@ def test_a_broken_limit_stops_every_node():
                                                  ("two", 4, "not a whole number")])
 def test_a_shape_that_does_not_fit_is_an_adapter_error_naming_both_options(nnodes, size, match):
     with pytest.raises(AdapterError, match=match):
-        resolve("fixtures.ddp_trainer:ADAPTER", None, world_size=size, nnodes=nnodes)
-    assert resolve("fixtures.ddp_trainer:ADAPTER", None, world_size=4, nnodes=2).replay_args()[-2:] == (
+        resolve("resume_conformance.fixtures.ddp_trainer:ADAPTER", None, world_size=size, nnodes=nnodes)
+    assert resolve("resume_conformance.fixtures.ddp_trainer:ADAPTER", None, world_size=4, nnodes=2).replay_args()[-2:] == (
         "--world-size=4", "--nnodes=2")

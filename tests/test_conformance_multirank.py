@@ -52,7 +52,7 @@ def test_torchruns_logs_stay_in_the_runs_directory(tmp_path, runner_class, nnode
 
     from conformance.model.adapters import resolve
     module, _, name = runner_class.partition(".")
-    adapter = resolve("fixtures.ddp_trainer:ADAPTER", None, world_size=2 * nnodes, nnodes=nnodes)
+    adapter = resolve("resume_conformance.fixtures.ddp_trainer:ADAPTER", None, world_size=2 * nnodes, nnodes=nnodes)
     runner = getattr(importlib.import_module(f"conformance.run.{module}"), name)()
     (tmp_path / "ckpt").mkdir()
     log = tmp_path / "loss.jsonl"
@@ -79,7 +79,7 @@ def test_torchrun_is_this_interpreters_module_so_no_torchrun_on_path_is_needed(t
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "conformance",
-                           "--adapter=fixtures.ddp_trainer:ADAPTER", "--collect-only", "-q"],
+                           "--adapter=resume_conformance.fixtures.ddp_trainer:ADAPTER", "--collect-only", "-q"],
                           cwd=tmp_path, env=_env(PATH=f"{bin_dir}:/usr/bin:/bin"), capture_output=True, text=True,
                           timeout=300)
     out = proc.stdout + proc.stderr
@@ -100,7 +100,8 @@ def test_a_rendezvous_port_in_use_is_one_usage_error(run_pytest):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = run_pytest("--pyargs", "conformance", "--adapter=fixtures.ddp_trainer:ADAPTER", f"--rdzv-port={port}",
+        proc = run_pytest("--pyargs", "conformance", "--adapter=resume_conformance.fixtures.ddp_trainer:ADAPTER",
+                          f"--rdzv-port={port}",
                           "--collect-only")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 4, out[-3000:]
@@ -109,7 +110,8 @@ def test_a_rendezvous_port_in_use_is_one_usage_error(run_pytest):
 
 def test_more_ranks_than_cores_is_a_warning_not_an_error(run_pytest):
     ranks = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) + 2
-    proc = run_pytest("--pyargs", "conformance", "--adapter=fixtures.ddp_trainer:ADAPTER", f"--world-size={ranks}",
+    proc = run_pytest("--pyargs", "conformance", "--adapter=resume_conformance.fixtures.ddp_trainer:ADAPTER",
+                      f"--world-size={ranks}",
                       "--collect-only")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]

@@ -25,7 +25,7 @@ def test_subclass_with_python_adapter_and_capability_skip(tmp_path, run_pytest):
         from conformance import ResumeConformance
 
         class TestTeamTrainer(ResumeConformance):
-            adapter = "fixtures.python_adapter:ADAPTER"
+            adapter = "resume_conformance.fixtures.python_adapter:ADAPTER"
     '''))
     proc = run_pytest("test_team.py", "-k", "determinism or schema_migration")
     assert "1 passed, 1 skipped" in proc.stdout, proc.stdout[-3000:]
@@ -44,7 +44,7 @@ def test_the_collector_is_frozen_only_when_the_suite_runs(tmp_path, run_pytest):
         from conformance import ResumeConformance
 
         class TestTeamTrainer(ResumeConformance):
-            adapter = "fixtures.python_adapter:ADAPTER"
+            adapter = "resume_conformance.fixtures.python_adapter:ADAPTER"
 
             def test_frozen(self):
                 assert gc.get_freeze_count() > 1000 or AT_START
@@ -62,7 +62,7 @@ def test_the_collector_is_frozen_only_when_the_suite_runs(tmp_path, run_pytest):
 def test_trainer_cmd_from_ini_makes_a_bare_pytest_the_gate(tmp_path, run_pytest):
     (tmp_path / "pytest.ini").write_text(textwrap.dedent(f'''
         [pytest]
-        conformance_trainer_cmd = {sys.executable} -m fixtures.reference_trainer
+        conformance_trainer_cmd = {sys.executable} -m resume_conformance.fixtures.reference_trainer
     '''))
     (tmp_path / "test_gate.py").write_text("from conformance.test_conformance import TestConformance\n")
     proc = run_pytest("test_gate.py", "-k", "determinism")
@@ -83,7 +83,7 @@ def test_bad_adapter_is_a_usage_error(run_pytest):
      "trainer only from --trainer-cmd or the ini key conformance_trainer_cmd", 'fix: --trainer-cmd="$CONFORMANCE_TRAINER_CMD"'),
     ([], {"CONFORMANCE_ADAPTER": "pkg.mod:ADAPTER"}, "CONFORMANCE_ADAPTER is set", 'fix: --adapter="$CONFORMANCE_ADAPTER"'),
     (["--hypothesis-profile=quik"], {}, "--hypothesis-profile='quik' is not a registered Hypothesis profile. The "
-     "suite's profiles: quick (", "fix: --hypothesis-profile=quick"),
+     "suite's profiles: conformance-quick (", "fix: --hypothesis-profile=conformance-quick"),
 ])
 def test_a_trainer_or_profile_named_wrongly_is_one_usage_error_never_a_run_of_the_bundled_trainer(
         run_pytest, args, env, message, fix):
@@ -94,13 +94,15 @@ def test_a_trainer_or_profile_named_wrongly_is_one_usage_error_never_a_run_of_th
 
 
 def test_a_trainer_named_by_option_is_run_even_with_the_variable_set(run_pytest):
-    proc = run_pytest("--pyargs", "conformance", "--adapter=fixtures.python_adapter:ADAPTER", "-k", "determinism",
+    proc = run_pytest("--pyargs", "conformance", "--adapter=resume_conformance.fixtures.python_adapter:ADAPTER", "-k",
+                      "determinism",
                       env={"CONFORMANCE_TRAINER_CMD": "python train.py"})
     assert "1 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("body, message", [
-    ('adaptor = "fixtures.python_adapter:ADAPTER"', "sets 'adaptor', which the suite does not read: did you mean 'adapter'?"),
+    ('adaptor = "resume_conformance.fixtures.python_adapter:ADAPTER"',
+     "sets 'adaptor', which the suite does not read: did you mean 'adapter'?"),
     ('trainer_command = "python train.py"', "sets 'trainer_command', which the suite does not read: did you mean 'trainer_cmd'?"),
     ("pass", "names no trainer\n  fix: set the class attribute 'adapter'"),
 ])
@@ -195,7 +197,7 @@ def test_warm_runner_runs_processes_concurrently_with_their_own_results(tmp_path
 
 
 def test_the_closing_lines_list_each_skip_with_why_and_the_report_is_written_by_default(tmp_path, run_pytest):
-    proc = run_pytest("--pyargs", "conformance", "--hypothesis-profile=quick", "-k", "determinism or node_loss",
+    proc = run_pytest("--pyargs", "conformance", "--hypothesis-profile=conformance-quick", "-k", "determinism or node_loss",
                       cwd=tmp_path)
     lines = proc.stdout.splitlines()
     assert "conformance: 1 check(s) did not run:" in lines, proc.stdout[-2000:]

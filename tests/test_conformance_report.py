@@ -156,7 +156,7 @@ def test_plot_without_matplotlib_says_why(tmp_path, monkeypatch):
 def _run_suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
-         f"--basetemp={tmp_path / 'base'}", "--hypothesis-profile=quick", *args],
+         f"--basetemp={tmp_path / 'base'}", "--hypothesis-profile=conformance-quick", *args],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
 
 
@@ -165,12 +165,12 @@ def _run_suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_failure_report_plot_and_junitxml(tmp_path):
     pytest.importorskip("matplotlib", reason="plots need the 'plots' extra (matplotlib)")
     rep, xml = tmp_path / "rep", tmp_path / "junit.xml"
-    proc = _run_suite(tmp_path, "--adapter=fixtures.broken.rng_not_restored:ADAPTER",
+    proc = _run_suite(tmp_path, "--adapter=resume_conformance.fixtures.broken.rng_not_restored:ADAPTER",
                       "-k", "resume_matches_baseline or determinism_precondition",
                       f"--conformance-report={rep}", f"--junitxml={xml}")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     data = report.load_report(rep / "report.json")
-    assert data.adapter.spec == "fixtures.broken.rng_not_restored:ADAPTER"
+    assert data.adapter.spec == "resume_conformance.fixtures.broken.rng_not_restored:ADAPTER"
     assert data.versions["suite"] and data.versions["torch"] and data.hypothesis_profile == "quick"
     cases = {c.check: c for c in data.cases}
     assert cases["determinism_precondition"].outcome == "passed"
@@ -196,7 +196,7 @@ def test_expected_failures_file_xfails_and_is_strict(tmp_path):
     xfail.write_text("resume_matches_baseline : RNG restore lands next sprint\n"
                      "determinism_precondition : wrongly listed: it passes\n")
     rep = tmp_path / "rep"
-    proc = _run_suite(tmp_path, "--adapter=fixtures.broken.rng_not_restored:ADAPTER",
+    proc = _run_suite(tmp_path, "--adapter=resume_conformance.fixtures.broken.rng_not_restored:ADAPTER",
                       "-k", "resume_matches_baseline or determinism", f"--expected-failures={xfail}",
                       f"--conformance-report={rep}")
     out = proc.stdout + proc.stderr
@@ -205,7 +205,7 @@ def test_expected_failures_file_xfails_and_is_strict(tmp_path):
     cases = {c.check: c for c in report.load_report(rep / "report.json").cases}
     assert cases["resume_matches_baseline"].outcome == "xfailed"
     assert "RNG restore lands next sprint" in cases["resume_matches_baseline"].reason
-    lenient = _run_suite(tmp_path, "--adapter=fixtures.broken.rng_not_restored:ADAPTER",
+    lenient = _run_suite(tmp_path, "--adapter=resume_conformance.fixtures.broken.rng_not_restored:ADAPTER",
                          "-k", "resume_matches_baseline or determinism", f"--expected-failures={xfail}",
                          "--expected-failures-lenient")
     assert lenient.returncode == 0, (lenient.stdout + lenient.stderr)[-3000:]
@@ -224,12 +224,13 @@ def test_an_unknown_id_in_the_expected_failures_file_is_one_usage_error(tmp_path
 @pytest.mark.needs_strace
 def test_soak_reports_failures_of_a_flaky_or_broken_trainer(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "conformance", "soak", "--runs", "1", "--profile", "quick",
-                           "--workers", "0", "--adapter", "fixtures.broken.clock_seeded_data_order:ADAPTER",
+                           "--workers", "0", "--adapter", "resume_conformance.fixtures.broken.clock_seeded_data_order:ADAPTER",
                            "--out", str(tmp_path / "soak")], capture_output=True, text=True, cwd=tmp_path,
                           timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "1 run(s) with failures" in proc.stdout
-    assert "FAIL fixtures.broken.clock_seeded_data_order:ADAPTER run 1: determinism_precondition:" in proc.stdout
+    assert ("FAIL resume_conformance.fixtures.broken.clock_seeded_data_order:ADAPTER run 1: "
+            "determinism_precondition:") in proc.stdout
 
 
 # -- the example CI gate --------------------------------------------------------------------------

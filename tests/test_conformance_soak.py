@@ -13,7 +13,7 @@ from conformance.__main__ import build_parser, main
 from conformance.cli import soak
 from conformance.model.settings import PROFILES, SEEDED_PROFILES
 
-REF = "fixtures.reference_trainer:ADAPTER"
+REF = "resume_conformance.fixtures.reference_trainer:ADAPTER"
 
 
 def parse(*argv: str):
@@ -34,7 +34,7 @@ def test_the_parser_keeps_adapters_and_trainer_commands_as_one_ordered_list_of_t
     assert (args.world_size, args.random, args.seed, args.load, args.runs, args.workers) == ("2", True, 7, 3, 4, "0")
     defaults = parse()
     assert (defaults.trainers, defaults.runs, defaults.profile, defaults.random, defaults.seed, defaults.load,
-            defaults.workers, defaults.world_size) == (None, 3, "ci", False, None, 0, "auto", None)
+            defaults.workers, defaults.world_size) == (None, 3, "conformance-ci", False, None, 0, "auto", None)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -52,7 +52,8 @@ def test_bad_numbers_are_usage_errors(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--random", "--profile", "nightly"], "--random needs one of the suite's profiles (quick, ci, fuzz)"),
+    (["--random", "--profile", "nightly"],
+     "--random needs one of the suite's profiles (conformance-quick, conformance-ci, conformance-fuzz)"),
     (["--seed", "3"], "--seed sets the draws of a --random campaign; add --random"),
     (["--adapter", "no_such_module_here:ADAPTER"], "cannot use the trainer no_such_module_here:ADAPTER"),
     (["--trainer-cmd", "no-such-program-here --x"], "cannot use the trainer cmd:no-such-program-here --x"),
@@ -70,7 +71,7 @@ def test_bad_combinations_and_unresolvable_trainers_are_usage_errors(capsys, tmp
 
 
 def test_without_trainers_the_projects_correct_trainers_are_soaked(tmp_path):
-    from fixtures import CORRECT_TRAINERS
+    from resume_conformance.fixtures import CORRECT_TRAINERS
     plan = planned(tmp_path=tmp_path)
     assert [t.adapter for t in plan.trainers] == list(CORRECT_TRAINERS)
 
@@ -93,7 +94,8 @@ def test_the_same_seed_plans_the_same_campaign_and_no_seed_draws_a_new_printed_o
     fresh = {planned("--random", tmp_path=tmp_path).campaign_seed for _ in range(3)}
     assert None not in fresh and len(fresh) > 1
     fixed = planned("--runs", "2", tmp_path=tmp_path)
-    assert (fixed.campaign_seed, fixed.seed(1), fixed.seed_text(1)) == (None, None, f"{SEEDED_PROFILES['ci']} (fixed)")
+    assert (fixed.campaign_seed, fixed.seed(1), fixed.seed_text(1)) == \
+        (None, None, f"{SEEDED_PROFILES['conformance-ci']} (fixed)")
     assert planned("--profile", "fuzz", tmp_path=tmp_path).seed_text(1) == "unseeded"
 
 
@@ -101,11 +103,12 @@ def test_the_same_seed_plans_the_same_campaign_and_no_seed_draws_a_new_printed_o
 
 def test_the_command_carries_the_trainer_world_size_profile_seed_and_report(tmp_path):
     trainer = soak.Trainer(trainer_cmd="python train.py --small")
-    cmd = soak.build_command(trainer, profile="ci", seed=12345, world_size="2", workers="auto",
+    cmd = soak.build_command(trainer, profile="conformance-ci", seed=12345, world_size="2", workers="auto",
                              report_dir=tmp_path / "r", basetemp=tmp_path / "t", python="PY")
     assert cmd[:8] == ["PY", "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q"]
     assert ["-p", "conformance.cli.soak"] == cmd[8:10]   # registers ci-random in the pytest process
-    assert {"--trainer-cmd=python train.py --small", "--world-size=2", "--hypothesis-profile=ci-random",
+    assert {"--conformance-trainer-cmd=python train.py --small", "--conformance-world-size=2",
+            "--hypothesis-profile=conformance-ci-random",
             "--hypothesis-seed=12345", f"--conformance-report={tmp_path / 'r'}", f"--basetemp={tmp_path / 't'}"} <= set(cmd)
     assert cmd[-2:] == ["-n", "auto"]
 
@@ -149,17 +152,17 @@ def test_a_malformed_shard_is_a_usage_error(capsys, shard):
 def test_a_fixed_run_uses_the_profile_itself_and_no_seed():
     cmd = soak.build_command(soak.Trainer(adapter=REF), profile="quick", workers="0", python="PY")
     assert cmd == ["PY", "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
-                   f"--adapter={REF}", "--hypothesis-profile=quick"]
+                   f"--conformance-adapter={REF}", "--hypothesis-profile=conformance-quick"]
 
 
 def test_the_command_options_are_the_suites_own():
     """Every option the soak passes is one pytest (with the plugin and the soak's -p) accepts."""
     from conformance.options import OPTIONS
     flags = {flag for flag, _ in OPTIONS.values()}
-    cmd = soak.build_command(soak.Trainer(adapter=REF), profile="ci", seed=1, world_size="2", workers="2",
+    cmd = soak.build_command(soak.Trainer(adapter=REF), profile="conformance-ci", seed=1, world_size="2", workers="2",
                              report_dir=Path("r"), basetemp=Path("t"), select="test_x")
     ours = {arg.split("=")[0] for arg in cmd if arg.startswith("--") and arg.split("=")[0] in flags}
-    assert ours == {"--adapter", "--world-size", "--conformance-report"}
+    assert ours == {"--conformance-adapter", "--conformance-world-size", "--conformance-report"}
 
 
 def test_the_random_variants_are_registered_undecided_by_the_suites_fixed_seeds():
@@ -202,8 +205,8 @@ def test_a_seed_decides_the_draws_under_a_random_variant_and_not_under_the_fixed
         return out.read_text().split()
 
     assert draws("ci", 1) == draws("ci", 2)   # the gate: the suite's fixed seed wins
-    first = draws("ci-random", 1)
-    assert len(first) == 8 and first == draws("ci-random", 1) != draws("ci-random", 2)
+    first = draws("conformance-ci-random", 1)
+    assert len(first) == 8 and first == draws("conformance-ci-random", 1) != draws("conformance-ci-random", 2)
 
 
 # -- the campaign: lines, table, replays and burners ----------------------------------------------
@@ -215,7 +218,7 @@ def test_each_run_line_the_table_and_each_failure_carry_the_seed_and_a_replay(tm
 
     def fake_run(cmd, run_dir):
         seen.append((cmd, run_dir))
-        if "--trainer-cmd=python train.py" in cmd and "--hypothesis-seed=" + str(soak.run_seed(7, 2)) in cmd:
+        if "--conformance-trainer-cmd=python train.py" in cmd and "--hypothesis-seed=" + str(soak.run_seed(7, 2)) in cmd:
             return soak.Outcome({"failed": 1, "passed": 3}, [("no_lost_work[inside_save]", "lost step 7\nmore")])
         return soak.Outcome({"passed": 4}, [])
 
@@ -247,7 +250,7 @@ def test_a_run_without_a_report_is_a_failure_with_a_replay_of_the_whole_run(tmp_
     assert code == 1
     assert f"  FAIL {REF} run 1: (no report): pytest exited 4: boom (seed 0 (fixed))" in lines
     replay = shlex.split(next(line for line in lines if line.startswith("    replay: "))[len("    replay: "):])
-    assert "-k" not in replay and f"--adapter={REF}" in replay and "--hypothesis-profile=quick" in replay
+    assert "-k" not in replay and f"--conformance-adapter={REF}" in replay and "--hypothesis-profile=conformance-quick" in replay
 
 
 def _alive(pid: int) -> bool:

@@ -51,7 +51,7 @@ def test_failure_message_has_check_schedule_and_replay_line():
     text = str(exc)
     assert text.startswith("[no_lost_work[inside_save]] resumed from scratch")
     assert "schedule: fs:7" in text and "detail line" in text
-    assert ("replay:   python -m conformance replay --adapter=fixtures.reference_trainer:ADAPTER "
+    assert ("replay:   python -m conformance replay --adapter=resume_conformance.fixtures.reference_trainer:ADAPTER "
             "'--check=no_lost_work[inside_save]' --total-steps=12 --save-every=3 --seed=0 --schedule=fs:7") in text
 
 
@@ -159,7 +159,7 @@ def test_replay_command_of_a_multi_rank_trainer_parses_back():
 
     from conformance.__main__ import build_parser
 
-    adapter = dataclasses.replace(python_adapter("fixtures.ddp_trainer:ADAPTER"), world_size=2)
+    adapter = dataclasses.replace(python_adapter("resume_conformance.fixtures.ddp_trainer:ADAPTER"), world_size=2)
     cmd = replay_command(adapter, "no_lost_work[inside_save]", RunSpec(14, 3, 0), {"schedule": "fs:0@r1"})
     args = build_parser().parse_args(shlex.split(cmd)[3:])
     assert (args.world_size, args.check, args.schedule) == ("2", "no_lost_work[inside_save]", "fs:0@r1")
@@ -181,7 +181,8 @@ def test_the_version_has_one_source():
     import tomllib
     from pathlib import Path
 
+    from resume_conformance import reference
+
     import conformance
-    import reference
     declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
     assert conformance.__version__ == reference.__version__ == importlib.metadata.version("resume-conformance") == declared

@@ -28,18 +28,18 @@ def _errors(out: str) -> list[str]:
 
 
 def test_the_header_names_trainer_profile_runner_and_strace(run_pytest):
-    proc = run_pytest("--pyargs", "conformance", "--hypothesis-profile=quick", "--collect-only", "-v")
+    proc = run_pytest("--pyargs", "conformance", "--hypothesis-profile=conformance-quick", "--collect-only", "-v")
     header = next(line for line in proc.stdout.splitlines() if line.startswith("conformance: trainer"))
-    assert header.startswith("conformance: trainer reference_trainer (fixtures.reference_trainer:ADAPTER), "
-                             "profile quick, runner warm (processes forked from one that imported torch")
+    assert header.startswith("conformance: trainer reference_trainer (resume_conformance.fixtures.reference_trainer:ADAPTER), "
+                             "profile conformance-quick, runner warm (processes forked from one that imported torch")
     assert ", strace " in header and "syscall crash points " in header
 
 
 def test_a_script_trainer_runs_warm_and_a_shell_wrapper_says_why_it_does_not(tmp_path, run_pytest):
-    (tmp_path / "train.py").write_text("import fixtures.reference_trainer\n")
+    (tmp_path / "train.py").write_text("import resume_conformance.fixtures.reference_trainer\n")
     proc = run_pytest("--pyargs", "conformance", f"--trainer-cmd={sys.executable} train.py", "--collect-only", "-v")
     assert "runner warm (processes forked from one that imported torch and train.py once)" in proc.stdout
-    (tmp_path / "train.sh").write_text("#!/bin/sh\nexec python -m fixtures.reference_trainer\n")
+    (tmp_path / "train.sh").write_text("#!/bin/sh\nexec python -m resume_conformance.fixtures.reference_trainer\n")
     (tmp_path / "train.sh").chmod(0o755)
     proc = run_pytest("--pyargs", "conformance", "--trainer-cmd=./train.sh", "--collect-only", "-v")
     assert "runner fresh (the command does not start a Python interpreter, so every trainer process" in proc.stdout
@@ -47,7 +47,8 @@ def test_a_script_trainer_runs_warm_and_a_shell_wrapper_says_why_it_does_not(tmp
 
 @pytest.mark.parametrize("args, message", [
     (["--adapter=nonexistent.mod:X"], "cannot import 'nonexistent.mod'"),
-    (["--adapter=fixtures.reference_trainer:NOPE"], "module 'fixtures.reference_trainer' has no attribute 'NOPE'"),
+    (["--adapter=resume_conformance.fixtures.reference_trainer:NOPE"],
+     "module 'resume_conformance.fixtures.reference_trainer' has no attribute 'NOPE'"),
     (["--adapter=no_colon_here"], "is not 'package.module:attribute'"),
     (["--trainer-cmd=/no/such/trainer --small"], "'/no/such/trainer' is not a program on PATH or a file"),
 ])
@@ -76,7 +77,7 @@ def test_a_misspelt_ini_key_is_a_usage_error(tmp_path, run_pytest, name, text):
 
 
 def test_a_trainer_that_fails_fails_once(run_pytest):
-    proc = run_pytest("--pyargs", "conformance", "--trainer-cmd=/bin/false", "--hypothesis-profile=quick")
+    proc = run_pytest("--pyargs", "conformance", "--trainer-cmd=/bin/false", "--hypothesis-profile=conformance-quick")
     assert f"1 failed, {len(all_check_ids()) - 1} skipped" in proc.stdout, proc.stdout[-3000:]
     assert "[determinism_precondition] an uninterrupted run exited 1" in proc.stdout
     assert "could not tell which files" not in proc.stdout
@@ -85,8 +86,8 @@ def test_a_trainer_that_fails_fails_once(run_pytest):
 
 def test_a_trainer_that_ignores_total_steps_is_stopped_with_a_message(run_pytest):
     start = time.monotonic()
-    proc = run_pytest("--pyargs", "conformance", "--adapter=fixtures.broken.ignores_total_steps:ADAPTER",
-                      "--hypothesis-profile=quick")
+    proc = run_pytest("--pyargs", "conformance", "--adapter=resume_conformance.fixtures.broken.ignores_total_steps:ADAPTER",
+                      "--hypothesis-profile=conformance-quick")
     assert time.monotonic() - start < 120
     assert "the trainer ran past CONFORMANCE_TOTAL_STEPS (logged step" in proc.stdout, proc.stdout[-3000:]
     assert f"1 failed, {len(all_check_ids()) - 1} skipped" in proc.stdout
@@ -107,7 +108,8 @@ def test_a_trainer_that_hangs_is_stopped_within_its_limit(tmp_path, run_pytest):
 def test_an_adapter_imports_from_the_current_directory_under_plain_pytest(tmp_path, run_pytest):
     (tmp_path / "mytrain").mkdir()
     (tmp_path / "mytrain" / "__init__.py").write_text("")
-    (tmp_path / "mytrain" / "train.py").write_text("from fixtures.python_adapter import ADAPTER  # noqa: F401\n")
+    (tmp_path / "mytrain" / "train.py").write_text(
+        "from resume_conformance.fixtures.python_adapter import ADAPTER  # noqa: F401\n")
     # This interpreter's own `pytest` script (not the first on PATH: an unactivated venv's PATH
     # finds another interpreter's, without the plugin): plain pytest does not put the current
     # directory on sys.path the way `python -m pytest` does.
@@ -123,12 +125,13 @@ def test_an_adapter_imports_from_the_current_directory_under_plain_pytest(tmp_pa
 
 @pytest.mark.needs_strace
 def test_failures_show_the_report_not_the_suites_source(run_pytest):
-    args = ("--pyargs", "conformance", "--adapter=fixtures.broken.optimizer_not_saved:ADAPTER",
-            "--hypothesis-profile=quick", "-k", "resume_matches_baseline")
+    args = ("--pyargs", "conformance", "--adapter=resume_conformance.fixtures.broken.optimizer_not_saved:ADAPTER",
+            "--hypothesis-profile=conformance-quick", "-k", "resume_matches_baseline")
     proc = run_pytest(*args)
     assert proc.stdout.count("  plot:     ") == 1 and proc.stdout.count("  replay:   ") == 1, proc.stdout[-4000:]
     assert "conformance/checks/" not in proc.stdout and "def run(" not in proc.stdout
-    assert "conformance: tested optimizer_not_saved (fixtures.broken.optimizer_not_saved:ADAPTER)" in proc.stdout
+    assert ("conformance: tested optimizer_not_saved "
+            "(resume_conformance.fixtures.broken.optimizer_not_saved:ADAPTER)") in proc.stdout
     loud = run_pytest(*args, "-vvv")   # -vv on top of the fixture's -q
     assert "conformance/checks/schedules.py" in loud.stdout
 
@@ -142,7 +145,8 @@ def test_failures_show_the_report_not_the_suites_source(run_pytest):
                                    "through the seed"),
 ])
 def test_a_diverging_resume_names_its_likely_cause(run_suite, trainer, cause):
-    verdicts, out = run_suite(f"--adapter=fixtures.broken.{trainer}:ADAPTER", "--hypothesis-profile=quick",
+    verdicts, out = run_suite(f"--adapter=resume_conformance.fixtures.broken.{trainer}:ADAPTER",
+                              "--hypothesis-profile=conformance-quick",
                               "-k", "resume_matches_baseline")
     outcome, message = verdicts["test_resume_matches_baseline"]
     assert outcome == "failed" and cause in message, message

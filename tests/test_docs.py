@@ -27,8 +27,8 @@ TRAIN_PY = '''\
 import sys
 from pathlib import Path
 
-from fixtures.contract import LossLog, RunConfig
-from fixtures.reference_trainer import ReferenceTrainer
+from resume_conformance.fixtures.contract import LossLog, RunConfig
+from resume_conformance.fixtures.reference_trainer import ReferenceTrainer
 
 
 def main(ckpt_dir, max_steps, save_every, seed, on_step):
@@ -38,7 +38,7 @@ def main(ckpt_dir, max_steps, save_every, seed, on_step):
 
         def resumed(self, step, state):
             pass
-    import fixtures.reference_trainer as rt
+    import resume_conformance.fixtures.reference_trainer as rt
     rt.LossLog = lambda path: Log()
     return ReferenceTrainer(RunConfig(Path(ckpt_dir), max_steps, save_every, seed, Path("unused"))).run()
 
@@ -76,7 +76,8 @@ def workspace(tmp_path_factory):
     example = next(b for b in blocks(REPO / "README.md", "python") if "conformance_adapter.py" in b)
     (d / "mytrain" / "conformance_adapter.py").write_text(example)
     (d / "train.py").write_text("import runpy\nrunpy.run_module('mytrain.train', run_name='__main__')\n")
-    import reference
+    from resume_conformance import reference
+
     from tests.strategies import trainer_payload
     (d / "path" / "to" / "checkpoints").mkdir(parents=True)
     reference.CheckpointManager(d / "path" / "to" / "checkpoints").save(trainer_payload(step=3), force=True)
@@ -101,10 +102,10 @@ def _parser_of(module: str):
     import importlib
     if module == "conformance":
         return importlib.import_module("conformance.__main__").build_parser()
-    if module == "reference":
-        return importlib.import_module("reference.__main__").parser()
-    if module in ("conformance.bench", "reference.bench"):
-        mod = importlib.import_module(f"{module}.cli" if module == "reference.bench" else f"{module}.measure")
+    if module == "resume_conformance.reference":
+        return importlib.import_module("resume_conformance.reference.__main__").parser()
+    if module in ("conformance.bench", "resume_conformance.reference.bench"):
+        mod = importlib.import_module(f"{module}.cli" if module == "resume_conformance.reference.bench" else f"{module}.measure")
         return mod.build_parser()
     raise AssertionError(f"no parser known for python -m {module}")
 
@@ -125,7 +126,7 @@ def exercise(command: str, workspace: Path) -> None:
     is_pytest = argv[0] == "pytest" or argv[1:3] == ["-m", "pytest"]
     if is_pytest:
         args = argv[1:] if argv[0] == "pytest" else argv[3:]
-        adapter = next((a.split("=", 1)[1] for a in args if a.startswith("--adapter=fixtures.")), None)
+        adapter = next((a.split("=", 1)[1] for a in args if a.startswith("--adapter=resume_conformance.fixtures.")), None)
         if adapter:    # a documented trainer of a real library runs where its extra is installed
             try:
                 importlib.import_module(adapter.partition(":")[0])
@@ -147,7 +148,7 @@ def exercise(command: str, workspace: Path) -> None:
         return
     assert argv[0] == sys.executable and argv[1] == "-m", f"a command of a kind this test does not know: {command!r}"
     module, args = argv[2], argv[3:]
-    if module == "reference" or (module == "conformance" and args[0] in ("report", "replay", "badge")):
+    if module == "resume_conformance.reference" or (module == "conformance" and args[0] in ("report", "replay", "badge")):
         proc = run([sys.executable, "-m", module, *args])
         allowed = {0, 1} if module == "conformance" else {0}
         assert proc.returncode in allowed, f"{command}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
@@ -176,7 +177,7 @@ def test_the_docs_have_commands_and_the_readme_is_short():
 
 
 def test_the_broken_trainer_table_is_the_catalogue():
-    from fixtures.broken import CATALOGUE
+    from resume_conformance.fixtures.broken import CATALOGUE
     text = (REPO / "docs" / "fixtures.md").read_text()
     for trainer, (_, check) in CATALOGUE.items():
         assert re.search(rf"\| `{trainer}` \| `{re.escape(check)}` \|", text), f"docs/fixtures.md lacks {trainer}"
@@ -188,3 +189,11 @@ def test_the_readme_adapter_example_passes_determinism(workspace):
                            "--adapter=mytrain.conformance_adapter:ADAPTER", "-k", "determinism"],
                           cwd=workspace, capture_output=True, text=True, timeout=600)
     assert "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_the_docs_name_one_gate_command_and_it_is_the_one_init_writes():
+    """docs/running.md's gate command is init's, which test_conformance_levels.py runs as written."""
+    from conformance.cli.init import GATE
+    lines = (REPO / "docs" / "running.md").read_text().splitlines()
+    at = lines.index("<!-- the gate command -->")
+    assert lines[at + 1:at + 4] == ["```bash", GATE, "```"]

@@ -19,8 +19,9 @@ from tests.test_conformance_gate import HANG_TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs_strace]
 
-TRAINERS = {"lightning": "fixtures.real.lightning_trainer", "accelerate": "fixtures.real.accelerate_trainer",
-            "transformers": "fixtures.real.hf_trainer", "dcp": "fixtures.real.dcp_trainer"}
+TRAINERS = {"lightning": "resume_conformance.fixtures.real.lightning_trainer",
+            "accelerate": "resume_conformance.fixtures.real.accelerate_trainer",
+            "transformers": "resume_conformance.fixtures.real.hf_trainer", "dcp": "resume_conformance.fixtures.real.dcp_trainer"}
 # What each library is imported as (DCP comes with torch).
 IMPORTS = {"dcp": "torch.distributed.checkpoint"}
 # transformers 4.x next to the installed 5.x: a venv with system site packages (same torch), made by
@@ -41,7 +42,7 @@ def test_suite_verdicts_match_the_recorded_findings(run_suite, library):
     if not NP126_PYTHON.exists():
         pytest.skip(f"no numpy 1.26 interpreter at {NP126_PYTHON} for upgrade_resume (.ci/run makes one)")
     hang = [HANG_TIMEOUT] if trainer.ADAPTER.world_size > 1 else []   # why: tests/test_conformance_gate.py
-    verdicts, out = run_suite(f"--adapter={trainer.ADAPTER.spec}", "--hypothesis-profile=quick",
+    verdicts, out = run_suite(f"--adapter={trainer.ADAPTER.spec}", "--hypothesis-profile=conformance-quick",
                               f"--resume-python={NP126_PYTHON}", *hang)
     _assert_verdicts(library, trainer.EXPECTED, verdicts, out)
 
@@ -53,12 +54,13 @@ def test_torchtitan_verdicts_match_the_recorded_findings(run_suite, configuratio
     with a background purge thread among them."""
     pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is not installed (pip install "
                         "resume-conformance[torchtitan], or the --no-deps line in docs/real-trainers.md)")
-    from fixtures.real import torchtitan_trainer
+    from resume_conformance.fixtures.real import torchtitan_trainer
     adapter = getattr(torchtitan_trainer, configuration)
     if not NP126_PYTHON.exists():
         pytest.skip(f"no numpy 1.26 interpreter at {NP126_PYTHON} for upgrade_resume (.ci/run makes one)")
     hang = [HANG_TIMEOUT] if adapter.world_size > 1 else []
-    verdicts, out = run_suite(f"--adapter={adapter.spec}", "--hypothesis-profile=quick", f"--resume-python={NP126_PYTHON}",
+    verdicts, out = run_suite(f"--adapter={adapter.spec}", "--hypothesis-profile=conformance-quick",
+                              f"--resume-python={NP126_PYTHON}",
                               *hang)
     _assert_verdicts(adapter.name, torchtitan_trainer.EXPECTED[adapter.name], verdicts, out)
 
@@ -71,9 +73,10 @@ def test_transformers_4_verdicts_match_the_recorded_findings(run_suite):
                            capture_output=True, text=True)
     if not probe.stdout.startswith("4."):
         pytest.skip(f"{HF4_PYTHON} does not import transformers 4.x: {probe.stdout or probe.stderr[-300:]}")
-    from fixtures.real.hf_trainer import EXPECTED_BY_MAJOR
+    from resume_conformance.fixtures.real.hf_trainer import EXPECTED_BY_MAJOR
     # upgrade_resume between transformers 4.x (the trainer's interpreter) and 5.x (the suite's).
-    verdicts, out = run_suite(f"--trainer-cmd={HF4_PYTHON} -m fixtures.real.hf_trainer", "--hypothesis-profile=quick", "-v",
+    verdicts, out = run_suite(f"--trainer-cmd={HF4_PYTHON} -m resume_conformance.fixtures.real.hf_trainer",
+                              "--hypothesis-profile=conformance-quick", "-v",
                               f"--resume-python={sys.executable}")
     assert "runner warm" in out
     _assert_verdicts("transformers 4", EXPECTED_BY_MAJOR[4], verdicts, out)

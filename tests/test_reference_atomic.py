@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
-import reference
-from reference.primitives.atomic import is_temp_name, temp_name_for
+from resume_conformance import reference
+from resume_conformance.reference.primitives.atomic import is_temp_name, temp_name_for
 
 
 def test_atomic_write_returns_size_and_hash_and_leaves_no_temp(tmp_path):

@@ -3,10 +3,9 @@ sample."""
 from __future__ import annotations
 
 import pytest
-
-from reference.bench.judge import judge, per_round
-from reference.bench.output import format_markdown, format_table
-from reference.bench.run import run_benchmark
+from resume_conformance.reference.bench.judge import judge, per_round
+from resume_conformance.reference.bench.output import format_markdown, format_table
+from resume_conformance.reference.bench.run import run_benchmark
 
 
 def test_a_ratio_is_met_only_when_its_whole_spread_meets_the_target():
@@ -44,21 +43,21 @@ def test_a_short_run_reports_every_ratio_with_its_spread_and_says_it_cannot_judg
             assert t["verdict"] in ("met", "missed") and t["spread"][0] == t["spread"][1], (name, t)
         assert t["spread"][0] <= result["ratios"][name] <= t["spread"][1] or t["spread"][0] == t["spread"][1]
     assert result["chains"]["incremental_bytes_frac_frozen"]["sgd"]["frac"] < result["ratios"]["incremental_bytes_frac_frozen"]
-    result.update(command="python -m reference.bench --size-mb 2 --repeats 2", priority="unchanged")
+    result.update(command="python -m resume_conformance.reference.bench --size-mb 2 --repeats 2", priority="unchanged")
     assert "inconclusive: 2 rounds" in format_table(result)
     markdown = format_markdown(result, result["command"])
     assert "| inconclusive |" in markdown and "Chained checkpoints: frozen backbone" in markdown
 
 
 def test_without_zstandard_the_compression_rows_say_so_and_the_rest_are_measured(tmp_path, monkeypatch):
-    from reference.bench import chains
+    from resume_conformance.reference.bench import chains
     monkeypatch.setattr(chains.codec, "zstandard_available", lambda: False)
     result = run_benchmark(2, 2, tmp_path, memory=False)
     assert {name: result["ratios"][name] for name in chains.COMPRESSION_ROWS} == dict.fromkeys(
         chains.COMPRESSION_ROWS, "needs zstandard")
     assert not set(chains.COMPRESSION_ROWS) & set(result["targets"])
     assert isinstance(result["ratios"]["chain_restore_vs_full"], float) and "chain_restore_vs_full" in result["targets"]
-    result.update(command="python -m reference.bench --size-mb 2 --repeats 2", priority="unchanged")
+    result.update(command="python -m resume_conformance.reference.bench --size-mb 2 --repeats 2", priority="unchanged")
     assert "compress_ratio_bf16          needs zstandard" in format_table(result)
     markdown = format_markdown(result, result["command"])
     assert "| `shuffle_gain` | - | - | - | needs zstandard |" in markdown
@@ -67,7 +66,7 @@ def test_without_zstandard_the_compression_rows_say_so_and_the_rest_are_measured
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--size-mb", "0"]])
 def test_bad_options_are_usage_errors(argv, capsys):
-    from reference.bench.cli import main
+    from resume_conformance.reference.bench.cli import main
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err

@@ -13,13 +13,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from resume_conformance import reference
+from resume_conformance.reference.__main__ import main as cli_main
+from resume_conformance.reference.chain import codec, gc
+from resume_conformance.reference.chain import read as chain
+from resume_conformance.reference.chain import write as chain_write
+from resume_conformance.reference.primitives import tree
 
-import reference
-from reference.__main__ import main as cli_main
-from reference.chain import codec, gc
-from reference.chain import read as chain
-from reference.chain import write as chain_write
-from reference.primitives import tree
 from tests.strategies import assert_same, payloads, trainer_payload, truncate
 
 STRATEGIES = ["full", "incremental", "differential"]

@@ -9,12 +9,11 @@ import time
 
 import pytest
 import torch
-
-import reference
-from reference.chain import codec
-from reference.chain import read as chain
-from reference.chain import write as chain_write
-from reference.primitives.schema import CURRENT_SCHEMA
+from resume_conformance import reference
+from resume_conformance.reference.chain import codec
+from resume_conformance.reference.chain import read as chain
+from resume_conformance.reference.chain import write as chain_write
+from resume_conformance.reference.primitives.schema import CURRENT_SCHEMA
 
 
 def _record_writes(monkeypatch) -> list[str]:

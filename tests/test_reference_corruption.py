@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from resume_conformance import reference
+from resume_conformance.reference.layouts.single_file import FILE_CHECKSUM_MAGIC
 
-import reference
-from reference.layouts.single_file import FILE_CHECKSUM_MAGIC
 from tests.strategies import assert_same, checkpoint_files, copy_checkpoint, flip_bit, trainer_payload, truncate
 
 SETTINGS = settings(max_examples=50, deadline=None,

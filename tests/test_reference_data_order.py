@@ -7,8 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import reference
+from resume_conformance import reference
 
 
 def _epochs(sampler, n: int) -> list[list[list[int]]]:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from reference import CheckpointSkippedWarning
-from reference.distributed import MANIFEST, DistributedCheckpointManager, committed_steps
+from resume_conformance.reference import CheckpointSkippedWarning
+from resume_conformance.reference.distributed import MANIFEST, DistributedCheckpointManager, committed_steps
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -102,7 +101,7 @@ def test_reference_distributed_skips_a_damaged_checkpoint_on_every_rank(tmp_path
                    CONFORMANCE_SAVE_EVERY="3", CONFORMANCE_SEED="0", CONFORMANCE_LOSS_LOG=str(tmp_path / "loss"),
                    OMP_NUM_THREADS="1")
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                               f"--log-dir={tmp_path / 'torchrun'}", "-m", "fixtures.ddp_trainer"],
+                               f"--log-dir={tmp_path / 'torchrun'}", "-m", "resume_conformance.fixtures.ddp_trainer"],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     first = job(10)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -22,9 +22,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+from resume_conformance import reference
+from resume_conformance.reference.primitives.atomic import is_temp_name
 
-import reference
-from reference.primitives.atomic import is_temp_name
 from tests.strategies import trainer_payload
 
 STRACE = shutil.which("strace")

@@ -1,4 +1,4 @@
-"""`python -m reference fsck DIR`: one row per checkpoint; exit 0 all valid, 1 any bad, 2 usage."""
+"""`python -m resume_conformance.reference fsck DIR`: one row per checkpoint; exit 0 all valid, 1 any bad, 2 usage."""
 from __future__ import annotations
 
 import os
@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from resume_conformance import reference
+from resume_conformance.reference.__main__ import main as cli_main
 
-import reference
-from reference.__main__ import main as cli_main
 from tests.strategies import flip_bit, trainer_payload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +86,7 @@ def test_help_works_for_the_tool_and_every_command(args):
 
 def _module(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "reference", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "resume_conformance.reference", *args], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=120)
 
 

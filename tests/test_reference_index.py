@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from resume_conformance import reference
+from resume_conformance.reference.layouts.index import CHECKSUM_KEY, encode_index
 
-import reference
-from reference.layouts.index import CHECKSUM_KEY, encode_index
 from tests.strategies import trainer_payload
 
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import reference
-from reference import names
-from reference.errors import CheckpointError
-from reference.layouts import kinds
+from resume_conformance import reference
+from resume_conformance.reference import names
+from resume_conformance.reference.errors import CheckpointError
+from resume_conformance.reference.layouts import kinds
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOL = [n for n, v in vars(kinds.Layout).items() if inspect.isfunction(v) and not n.startswith("_")]

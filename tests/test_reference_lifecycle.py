@@ -12,10 +12,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from resume_conformance import reference
+from resume_conformance.fixtures.contract import RunConfig
+from resume_conformance.fixtures.reference_trainer import ReferenceTrainer
 
-import reference
-from fixtures.contract import RunConfig
-from fixtures.reference_trainer import ReferenceTrainer
 from tests.strategies import trainer_payload
 
 

@@ -1,16 +1,16 @@
 """Lineage (reference/lineage.py): ids and parents, branches made by resume_from, retention per
-branch, `python -m reference log`, and save triggers recorded in checkpoints."""
+branch, `python -m resume_conformance.reference log`, and save triggers recorded in checkpoints."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from resume_conformance import reference
+from resume_conformance.reference import lineage
+from resume_conformance.reference.__main__ import main as cli_main
+from resume_conformance.reference.loop import triggers
 
-import reference
-from reference import lineage
-from reference.__main__ import main as cli_main
-from reference.loop import triggers
 from tests.strategies import FakeClock, trainer_payload
 
 LAYOUTS = [{"layout": "file"}, {"layout": "sharded"}, {"strategy": "incremental", "full_every": 3}]

@@ -7,9 +7,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+import resume_conformance.reference.catalog as catalog_module  # retention removes through catalog.remove_checkpoints
+from resume_conformance import reference
 
-import reference
-import reference.catalog as catalog_module  # retention removes through catalog.remove_checkpoints
 from tests.strategies import FakeClock, flip_bit, trainer_payload
 
 
@@ -221,7 +221,7 @@ def test_retention_deletes_only_after_commit(tmp_path, monkeypatch):
 
     def failing_index_write(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr("reference.layouts.sharded.atomic_write_bytes", failing_index_write)
+    monkeypatch.setattr("resume_conformance.reference.layouts.sharded.atomic_write_bytes", failing_index_write)
     with pytest.raises(OSError):
         manager.save(_payload(2), step=2, force=True)
     monkeypatch.undo()
@@ -274,7 +274,7 @@ def test_crash_during_save_with_keep_last_1(tmp_path, monkeypatch):
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt("killed before the commit point")
-    monkeypatch.setattr("reference.layouts.sharded.atomic_write_bytes", killed)
+    monkeypatch.setattr("resume_conformance.reference.layouts.sharded.atomic_write_bytes", killed)
     with pytest.raises(KeyboardInterrupt):
         manager.save(_payload(2), step=2, force=True)
     monkeypatch.undo()
@@ -285,7 +285,7 @@ def test_crash_during_save_with_keep_last_1(tmp_path, monkeypatch):
 
 
 def test_one_module_formats_and_parses_checkpoint_names():
-    from reference import names
+    from resume_conformance.reference import names
     for layout in ("sharded", "file", "chain"):
         for step in (0, 7, 12, 10**9):
             assert names.parse(names.step_name(step, layout)) == (step, layout)
@@ -300,9 +300,9 @@ def test_one_module_formats_and_parses_checkpoint_names():
 
 def test_checkpoints_are_ordered_by_step_number_not_by_name(tmp_path):
     """A step past eight digits names a longer string that sorts before shorter ones."""
-    from reference import names
-    from reference.catalog import list_checkpoints
-    from reference.chain import gc
+    from resume_conformance.reference import names
+    from resume_conformance.reference.catalog import list_checkpoints
+    from resume_conformance.reference.chain import gc
     for step in (99_999_999, 100_000_000, 5):
         (tmp_path / names.step_name(step, "file")).write_bytes(b"x")
         (tmp_path / names.step_name(step, "chain")).write_bytes(b"{}")

@@ -8,8 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-
-import reference
+from resume_conformance import reference
 
 
 def _draws() -> tuple:

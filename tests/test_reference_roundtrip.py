@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from resume_conformance import reference
+from resume_conformance.reference.layouts.index import CHECKSUM_KEY, index_checksum
+from resume_conformance.reference.primitives.integrity import tree_digest
 
-import reference
-from reference.layouts.index import CHECKSUM_KEY, index_checksum
-from reference.primitives.integrity import tree_digest
 from tests.strategies import assert_same, payloads, trainer_payload
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from resume_conformance import reference
+from resume_conformance.reference.layouts.index import encode_index
+from resume_conformance.reference.layouts.single_file import _write_with_checksum
+from resume_conformance.reference.primitives.atomic import atomic_write
 
-import reference
-from reference.layouts.index import encode_index
-from reference.layouts.single_file import _write_with_checksum
-from reference.primitives.atomic import atomic_write
 from tests.strategies import trainer_payload
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
@@ -91,7 +91,7 @@ def test_sharded_file_with_recomputed_hash(tmp_path, victim, protocol):
     (ckpt / "index.json").write_bytes(encode_index(index))  # re-sealed: index and hashes all valid
     reference.verify(ckpt)  # integrity alone cannot tell: the bytes are exactly as listed
     _refused(ckpt, marker, target)
-    from reference.cli.fsck import scan
+    from resume_conformance.reference.cli.fsck import scan
     rows = scan(tmp_path)
     assert rows[0][2] == "corrupt" and "UnsafeCheckpointError" in rows[0][3]
     assert not marker.exists()

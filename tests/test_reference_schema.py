@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from resume_conformance import reference
+from resume_conformance.reference.layouts.index import encode_index
+from resume_conformance.reference.layouts.single_file import _write_with_checksum
+from resume_conformance.reference.primitives.atomic import atomic_write
 
-import reference
-from reference.layouts.index import encode_index
-from reference.layouts.single_file import _write_with_checksum
-from reference.primitives.atomic import atomic_write
 from tests.strategies import assert_same, trainer_objects, trainer_payload
 
 LEGACY = Path(__file__).resolve().parent.parent / "fixtures" / "legacy"
@@ -94,7 +94,7 @@ def test_fsck_and_manager_accept_v1_samples(tmp_path):
     manager = reference.CheckpointManager(run)
     assert manager.latest().step == 7
     assert manager.load_latest()["counters"]["global_step"] == 7
-    from reference.cli.fsck import scan
+    from resume_conformance.reference.cli.fsck import scan
     assert [r[2] for r in scan(run)] == ["valid", "valid"]
 
 

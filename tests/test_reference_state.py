@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from resume_conformance import reference
 
-import reference
 from tests.strategies import trainer_objects
 
 

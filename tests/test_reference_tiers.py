@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from resume_conformance import reference
+from resume_conformance.reference.cold import store as tiers
+from resume_conformance.reference.cold.fs import ColdStorageError
 
-import reference
-from reference.cold import store as tiers
-from reference.cold.fs import ColdStorageError
 from tests.s3server import moto_s3  # noqa: F401
 from tests.strategies import trainer_payload
 

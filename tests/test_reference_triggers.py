@@ -9,8 +9,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from reference.loop.triggers import (
+from resume_conformance.reference.loop.triggers import (
     Decision,
     TriggerStateError,
     any_of,
@@ -20,6 +19,7 @@ from reference.loop.triggers import (
     hybrid,
     on_metric,
 )
+
 from tests.strategies import FakeClock
 
 

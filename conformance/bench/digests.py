@@ -14,8 +14,8 @@ from ..model.digest import state_digest
 from ..model.process import Curve
 from .ab import median_time
 
-TRAINER = "fixtures.reference_trainer:ReferenceTrainer"
-CONFIG = "fixtures.contract:RunConfig"
+TRAINER = "resume_conformance.fixtures.reference_trainer:ReferenceTrainer"
+CONFIG = "resume_conformance.fixtures.contract:RunConfig"
 
 
 def digest_seconds(workdir: Path, rounds: int = 200) -> tuple[float, float]:

@@ -52,7 +52,7 @@ TARGETS = {"trial_vs_import": ("<=", 0.1), "script_trial_vs_import": ("<=", 0.1)
            "power_loss_states_per_min": (">=", 1000.0), "ci_profile_seconds": ("<=", 90.0),
            "multirank_trial_vs_single": ("<=", 3.0), "multirank_ci_profile_seconds": ("<=", 300.0),
            "multinode_trial_vs_bare_pair": ("<=", 2.0), "digest_cost": ("<=", 0.05)}
-MULTIRANK_ADAPTER = "fixtures.ddp_trainer:ADAPTER"
+MULTIRANK_ADAPTER = "resume_conformance.fixtures.ddp_trainer:ADAPTER"
 _MARKER = "<!-- conformance-bench -->"
 
 
@@ -82,7 +82,7 @@ class TrialTimer:
         adapter = resolve(None, None)
         if script:
             path = workdir / "train.py"
-            path.write_text("import sys\nfrom fixtures.reference_trainer import main\nsys.exit(main())\n")
+            path.write_text("import sys\nfrom resume_conformance.fixtures.reference_trainer import main\nsys.exit(main())\n")
             adapter = command_adapter(f"{sys.executable} {path}")
         if multirank or multinode:
             adapter = resolve(MULTIRANK_ADAPTER, None, **({"world_size": 4, "nnodes": 2} if multinode else {}))
@@ -207,7 +207,7 @@ def ci_profile(workdir: Path, *args: str, tag: str = "ci") -> dict[str, Any]:
     rep = workdir / f"{tag}-report"
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "conformance", "-n", "auto", "-q",
-                           "-p", "no:cacheprovider", "--hypothesis-profile=ci", f"--conformance-report={rep}",
+                           "-p", "no:cacheprovider", "--hypothesis-profile=conformance-ci", f"--conformance-report={rep}",
                            f"--basetemp={workdir / f'{tag}-tmp'}", *args], cwd=workdir, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     out: dict[str, Any] = {"seconds": seconds, "exit_code": proc.returncode,

@@ -60,7 +60,7 @@ def first_state_mismatch(baseline: dict, resumed: dict, components: tuple[str, .
             # The restore is proven exact. What training does after it is the losses' to judge: a
             # job of more than two ranks sums its gradients in another order on the first steps after
             # any start (DDP rebuilds its buckets), so its weights may differ in the last bit while
-            # every loss stays bitwise equal (measured: 4 ranks on 2 nodes, fixtures.ddp_trainer).
+            # every loss stays bitwise equal (measured: 4 ranks on 2 nodes, resume_conformance.fixtures.ddp_trainer).
             return None
     for step in sorted(set(base) & set(got)):
         names = [n for n in components if n in base[step] and n in got[step]]

@@ -1,8 +1,6 @@
 """What the checks share within one pytest session: the trainer, its runner, and every run they
-would otherwise repeat (baselines, the determinism run, the prefix run, plain resumes).
-
-Each cached value is a pure function of (adapter, spec): computed once, then read.
-"""
+would otherwise repeat (baselines, the determinism run, the prefix run, plain resumes). Each cached
+value is a pure function of (adapter, spec): computed once, then read."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +14,7 @@ from ..faults.scenario import CrashNotLanded, CrashPointMissing, run_schedule
 from ..model import evidence
 from ..model.adapters import TrainerAdapter
 from ..model.crash import CrashPoint
+from ..model.flags import replay_settings
 from ..model.process import RunSpec
 from ..model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
 from ..run.fresh import SubprocessRunner
@@ -31,8 +30,8 @@ from .tolerance import Tolerance, learned
 SCRATCH_MIN_FREE = 2 << 30
 # Two uninterrupted runs of a job start alike, so they agree bit for bit; a resumed job of more than
 # two ranks sums its gradients in another order on its first steps (DDP rebuilds its buckets after the
-# first backward), and a + b + c differs from a + c + b in the last bit. Measured: fixtures.ddp_trainer
-# as 4 ranks on 2 nodes, bitwise-equal uninterrupted runs, resumes 1e-16 off. Two ranks add in one order.
+# first backward), and a + b + c differs from a + c + b in the last bit (measured with the bundled DDP
+# trainer as 4 ranks on 2 nodes: docs/running.md). Two ranks add in one order.
 MANY_RANKS = ("a job of more than two ranks reduces its gradients in another order after any restart, so its "
               "resumes need not be bitwise equal even where its uninterrupted runs are")
 
@@ -55,7 +54,9 @@ class Session:
                  tol: float = DEFAULT_TOL, plot_dir: Path | None = None, process_timeout: float | None = None,
                  grace_s: float = DEFAULT_GRACE_S, cold: str = "file", resume_python: str | None = None,
                  hang_timeout: float = DEFAULT_HANG_TIMEOUT_S):
-        self.adapter = adapter
+        self.adapter = dataclasses.replace(adapter, settings=replay_settings(   # a replay runs as this session did
+            loss_tol=tol, process_timeout=process_timeout, grace_seconds=grace_s, hang_timeout=hang_timeout,
+            cold_url=cold, resume_python=resume_python))
         self.resume_python = resume_python   # upgrade_resume: another environment's interpreter
         self.hang_timeout = hang_timeout     # hang: how long a job may run with one rank stopped
         self.cold = cold          # capability cold_tier: "file" or s3://bucket/prefix (process.cold_root)

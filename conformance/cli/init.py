@@ -25,7 +25,7 @@ _HEADER = '''"""Resume-conformance adapter for {framework}: written by `python -
 Fill in the TODOs with your own model, data and checkpoint code (keep them tiny: 14 steps should
 take a second or two), then:
 
-    pytest --pyargs conformance --adapter=conformance_adapter:ADAPTER --hypothesis-profile=quick
+    pytest --pyargs conformance --adapter=conformance_adapter:ADAPTER --hypothesis-profile=conformance-quick
 
 The contract: train from ctx.ckpt_dir (resume from the newest valid checkpoint there, else start
 from ctx.seed), save every ctx.save_every steps, stop after ctx.total_steps optimizer steps, and
@@ -209,7 +209,7 @@ def write(directory: Path, framework: str, *, force: bool = False) -> list[Path]
 def first_run(directory: Path) -> int:
     """The quick profile against the bundled trainer, in `directory`: a green run to start from."""
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-n", "auto",
-           "--hypothesis-profile=quick"]
+           "--hypothesis-profile=conformance-quick"]
     print("$ " + " ".join(cmd[2:]), flush=True)
     return subprocess.run(cmd, cwd=directory).returncode
 

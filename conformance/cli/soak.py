@@ -35,9 +35,9 @@ from pathlib import Path
 
 from hypothesis import settings as _hypothesis_settings
 
-from ..model.settings import EXAMPLE_DB_PROBLEM, PROFILES, SEEDED_PROFILES
+from ..model.settings import EXAMPLE_DB_PROBLEM, GATE_PROFILE, OLD_PROFILE_NAMES, PROFILES, SEEDED_PROFILES
 
-DEFAULT_SOAK = "fixtures:CORRECT_TRAINERS"   # adapter specs of the project's correct trainers
+DEFAULT_SOAK = "resume_conformance.fixtures:CORRECT_TRAINERS"   # adapter specs of the project's correct trainers
 RANDOM_SUFFIX = "-random"
 PLUGIN = "conformance.cli.soak"   # `-p` this module: registers the `-random` profiles in the pytest process
 USAGE = "python -m conformance soak: error: "
@@ -67,7 +67,9 @@ class Trainer:
         return self.adapter if self.adapter is not None else f"cmd:{self.trainer_cmd}"
 
     def options(self) -> list[str]:
-        return [f"--adapter={self.adapter}"] if self.adapter is not None else [f"--trainer-cmd={self.trainer_cmd}"]
+        # The namespaced spellings: a run's environment may hold a plugin that owns --adapter.
+        return [f"--conformance-adapter={self.adapter}"] if self.adapter is not None else \
+            [f"--conformance-trainer-cmd={self.trainer_cmd}"]
 
 
 def _at_least(lowest: int):
@@ -111,7 +113,8 @@ def add_arguments(so: argparse.ArgumentParser) -> None:
                     help="run the trainers as W ranks under torchrun (default: each adapter's world_size, or 1)")
     so.add_argument("--nnodes", default=None, metavar="N",
                     help="spread the ranks over N torchrun agents ('nodes'; default: each adapter's nnodes, or 1)")
-    so.add_argument("--profile", default="ci", help="Hypothesis profile (default ci)")
+    so.add_argument("--profile", default=GATE_PROFILE, type=lambda name: OLD_PROFILE_NAMES.get(name, name),
+                    help=f"Hypothesis profile (default {GATE_PROFILE}; the short names quick, ci, fuzz work too)")
     so.add_argument("--random", action="store_true",
                     help="fresh draws each run (the profile's '-random' variant and --hypothesis-seed) instead of "
                          "the profile's fixed ones; each run's seed is printed")
@@ -139,14 +142,15 @@ def build_command(trainer: Trainer, *, profile: str, seed: int | None = None, wo
                   workers: str = "0", report_dir: Path | None = None, basetemp: Path | None = None,
                   select: str | None = None, python: str = sys.executable, nnodes: str | None = None) -> list[str]:
     """The pytest command of one run (`seed`: a --random run, under `profile`'s -random variant)."""
+    profile = OLD_PROFILE_NAMES.get(profile, profile)
     cmd = [python, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q"]
     if seed is not None:
         cmd += ["-p", PLUGIN]
     cmd += trainer.options()
     if world_size is not None:
-        cmd.append(f"--world-size={world_size}")
+        cmd.append(f"--conformance-world-size={world_size}")
     if nnodes is not None:
-        cmd.append(f"--nnodes={nnodes}")
+        cmd.append(f"--conformance-nnodes={nnodes}")
     cmd.append(f"--hypothesis-profile={profile + RANDOM_SUFFIX if seed is not None else profile}")
     if seed is not None:
         cmd.append(f"--hypothesis-seed={seed}")

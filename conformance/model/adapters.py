@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-BUNDLED = "fixtures.reference_trainer:ADAPTER"
+from .importing import current_spelling, why_not_importable
+
+BUNDLED = "resume_conformance.fixtures.reference_trainer:ADAPTER"
 
 # Capabilities an adapter may declare; a check needing one the adapter lacks is skipped naming it.
 # Besides these, `steps=N` asks for runs of N steps (see TrainerAdapter.total_steps).
@@ -57,6 +59,7 @@ class TrainerAdapter:
     pythonpath: tuple[str, ...] = ()   # directories its processes need on PYTHONPATH
     world_size: int = 1     # > 1: launched as that many ranks by torchrun (launch.py)
     nnodes: int = 1         # > 1: the ranks spread over that many torchrun agents ("nodes", launch.py)
+    settings: tuple[str, ...] = ()   # the run's verdict-changing options (flags.replay_settings), for replay
 
     @property
     def total_steps(self) -> int:
@@ -80,12 +83,12 @@ class TrainerAdapter:
         return capability in self.capabilities
 
     def replay_args(self) -> tuple[str, ...]:
-        """Command-line arguments that name this trainer again (unquoted)."""
+        """Command-line arguments that name this trainer again, with the options it ran under (unquoted)."""
         ranks = (f"--world-size={self.world_size}",) if self.world_size > 1 else ()
         ranks += (f"--nnodes={self.nnodes}",) if self.nnodes > 1 else ()
         if self.spec.startswith("cmd:"):
-            return (f"--trainer-cmd={self.spec[4:]}", *ranks)
-        return (f"--adapter={self.spec}", *ranks)
+            return (f"--trainer-cmd={self.spec[4:]}", *ranks, *self.settings)
+        return (f"--adapter={self.spec}", *ranks, *self.settings)
 
     def environment(self, env: dict[str, str]) -> dict[str, str]:
         """`env` with this adapter's import directories first on PYTHONPATH."""
@@ -128,14 +131,13 @@ def load_object(spec: str, search: tuple[str, ...] = ()) -> Any:
     for directory in reversed(search):
         if directory not in sys.path:
             sys.path.insert(0, directory)
+    spec = respelled(spec)
     module_name, attr = spec.split(":", 1)
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        where = ", ".join(search) or "sys.path"
-        raise AdapterError(f"adapter {spec!r}: cannot import {module_name!r}: {exc}",
-                           f"run pytest from the directory that holds {module_name.split('.')[0]!r} (searched "
-                           f"{where}), or install that package") from None
+        cause, fix = why_not_importable(module_name, exc, search)
+        raise AdapterError(f"adapter {spec!r}: {cause}", fix) from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -145,8 +147,25 @@ def load_object(spec: str, search: tuple[str, ...] = ()) -> Any:
     return obj
 
 
+_told: set[str] = set()
+
+
+def respelled(spec: str) -> str:
+    """`spec` with a bundled trainer's old top-level spelling replaced (one line on stderr says so)."""
+    module_name, colon, attr = spec.partition(":")
+    new = current_spelling(module_name)
+    if new is None:
+        return spec
+    if spec not in _told:
+        _told.add(spec)
+        print(f"conformance: {module_name!r} is now spelled {new!r}: give {new}{colon}{attr}", file=sys.stderr)
+    return f"{new}{colon}{attr}"
+
+
 def python_adapter(spec: str, search: tuple[str, ...] = ()) -> TrainerAdapter:
     """Resolve `pkg.mod:attr`: a ready TrainerAdapter, or an object with `run(ctx)`."""
+    if ":" in spec:
+        spec = respelled(spec)
     obj = load_object(spec, search)
     if isinstance(obj, TrainerAdapter):
         return dataclasses.replace(obj, spec=obj.spec or spec, pythonpath=obj.pythonpath or search)

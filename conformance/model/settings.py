@@ -1,13 +1,14 @@
 """The suite's fixed numbers and its Hypothesis profiles, in one place.
 
-Profiles, chosen with Hypothesis's own `--hypothesis-profile`:
-- `quick`: a few derandomized examples per check, for development;
-- `ci`: the gate. Draws come from a fixed seed (SEEDED_PROFILES, applied by the suite), so the same
+Profiles, chosen with Hypothesis's own `--hypothesis-profile` (the suite's tests run under
+`conformance-ci` when another profile, or none, is selected):
+- `conformance-quick`: a few derandomized examples per check, for development;
+- `conformance-ci`: the gate. Draws come from a fixed seed (SEEDED_PROFILES, applied by the suite), so the same
   code gets the same verdict, while failures kept in the example database (e.g. found by a
   nightly fuzz run) replay first; derandomize=True would switch the database off;
-- `fuzz`: thousands of random schedules; failures are kept in the database.
+- `conformance-fuzz`: thousands of random schedules; failures are kept in the database.
 
-The database of `ci` and `fuzz` is `.hypothesis/examples` unless CONFORMANCE_EXAMPLE_DB names another
+The database of `conformance-ci` and `conformance-fuzz` is `.hypothesis/examples` unless CONFORMANCE_EXAMPLE_DB names another
 (`example_database`), so that a failure one machine finds replays first on the others.
 """
 from __future__ import annotations
@@ -98,17 +99,33 @@ try:
     EXAMPLE_DB_PROBLEM: str | None = None
 except ExampleDbError as exc:   # the plugin stops the run with it as a usage error, before any test runs
     EXAMPLE_DB, EXAMPLE_DB_PROBLEM = DirectoryBasedExampleDatabase(LOCAL_EXAMPLES), str(exc)
-settings.register_profile("quick", max_examples=3, derandomize=True, phases=[Phase.explicit, Phase.generate],
-                          **SLOW_OK)
-settings.register_profile("ci", max_examples=8, derandomize=False, database=EXAMPLE_DB, **SLOW_OK)
-settings.register_profile("fuzz", max_examples=5000, derandomize=False, database=EXAMPLE_DB, **SLOW_OK)
+# The suite's profiles live in its own namespace: `ci` is the name Hypothesis's documentation uses
+# for a team's own profile, and a registry entry of that name would overwrite theirs (or be overwritten).
+PREFIX = "conformance-"
+GATE_PROFILE = PREFIX + "ci"
+settings.register_profile(PREFIX + "quick", max_examples=3, derandomize=True,
+                          phases=[Phase.explicit, Phase.generate], **SLOW_OK)
+settings.register_profile(GATE_PROFILE, max_examples=8, derandomize=False, database=EXAMPLE_DB, **SLOW_OK)
+settings.register_profile(PREFIX + "fuzz", max_examples=5000, derandomize=False, database=EXAMPLE_DB, **SLOW_OK)
 # quick and ci draw from a fixed seed (applied by the suite), not from a hash of the test's source:
 # the same trainer gets the same schedules when the suite's code is edited.
-SEEDED_PROFILES = {"quick": 0, "ci": 0}
+SEEDED_PROFILES = {PREFIX + "quick": 0, GATE_PROFILE: 0}
 # What each profile is for, in the words a usage error lists them with.
 PROFILE_USES = {
-    "quick": "a few examples per check, for development",
-    "ci": f"the gate: {settings.get_profile('ci').max_examples} examples per check, seeded",
-    "fuzz": "thousands of random schedules, for nightly runs",
+    PREFIX + "quick": "a few examples per check, for development",
+    GATE_PROFILE: f"the gate: {settings.get_profile(GATE_PROFILE).max_examples} examples per check, seeded",
+    PREFIX + "fuzz": "thousands of random schedules, for nightly runs",
 }
 PROFILES = tuple(PROFILE_USES)
+# The names before 0.2: `--hypothesis-profile=conformance-ci` still selects the suite's gate for the suite's own
+# tests (a team's profile of that name, if any, stays theirs for their tests).
+OLD_PROFILE_NAMES = {name.removeprefix(PREFIX): name for name in PROFILES}
+
+
+def suite_profile(selected: str) -> str:
+    """The profile the suite's own tests run under: the selected one where it is the suite's (or
+    an old name of one), else the gate's. Hypothesis's `default` (100 unseeded examples) is never
+    the gate's verdict: the same code would get different verdicts."""
+    if selected.startswith(PREFIX):
+        return selected
+    return OLD_PROFILE_NAMES.get(selected, GATE_PROFILE)

@@ -1,6 +1,6 @@
 """Replace a generated section of a Markdown page (README, docs) after its marker line.
 
-Shared by `python -m conformance.bench` and `python -m reference.bench`; it imports nothing
+Shared by `python -m conformance.bench` and `python -m resume_conformance.reference.bench`; it imports nothing
 heavy, so neither command's `--help` pays for torch through it. The module tables of docs/design.md
 and docs/reference-library.md are generated here too, from the modules' docstrings.
 """
@@ -90,12 +90,14 @@ def module_table(package_dir: Path, layers: Sequence[Sequence[str]] | None = Non
     return "\n".join(rows)
 
 
+OPTIONS_MARKER = "<!-- options table: generated from conformance/model/flags.py by `python -m conformance.report.readme` -->"
 PAGES = (("docs/design.md", "conformance", True), ("docs/reference-library.md", "reference", False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Regenerate the README's checks table, the module tables of docs/design.md and
-    docs/reference-library.md, and docs/checks.md (run from the repository)."""
+    docs/reference-library.md, docs/checks.md and the options table of docs/running.md (run from
+    the repository)."""
     import importlib
     root = Path(argv[0]) if argv else Path.cwd()
     for page, package, layered in PAGES:
@@ -105,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..checks.registry import TABLE_MARKER, checks_page, markdown_table
     replace_table(root / "README.md", TABLE_MARKER, markdown_table())
     print("updated README.md")
+    from ..model.flags import markdown_table as options_table
+    replace_table(root / "docs" / "running.md", OPTIONS_MARKER, options_table())
+    print("updated docs/running.md")
     (root / "docs" / "checks.md").write_text(checks_page() + "\n")
     print("updated docs/checks.md")
     return 0

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 from ..model.adapters import TrainerAdapter
-from ..model.settings import PROFILE_USES
+from ..model.settings import GATE_PROFILE, OLD_PROFILE_NAMES, PROFILE_USES, suite_profile
 from ..run.attach import attach_problem
 from ..run.forkserver import warm_target
 from ..trace.strace import strace_problem
@@ -58,8 +58,11 @@ def describe_setup(adapter: TrainerAdapter, runner_option: str | None) -> str:
     crash = "on" if problem is None else f"off: {problem}"
     ranks = f", {adapter.world_size} ranks under torchrun" if adapter.world_size > 1 else ""
     ranks += f" on {adapter.nnodes} nodes (c10d rendezvous)" if adapter.nnodes > 1 else ""
+    selected = settings.get_current_profile_name()
+    profile = suite_profile(selected) + ("" if suite_profile(selected) in (selected, OLD_PROFILE_NAMES.get(selected))
+                                         else f" (for the suite's tests; {selected!r} is not one of its profiles)")
     return (f"conformance: trainer {adapter.name} ({adapter.spec}){ranks}, profile "
-            f"{settings.get_current_profile_name()}, runner {runner} ({why}), strace {version or '-'} "
+            f"{profile}, runner {runner} ({why}), strace {version or '-'} "
             f"(syscall crash points {crash})")
 
 
@@ -130,17 +133,18 @@ def profile_problem(name: str | None) -> str | None:
     the run with an INTERNALERROR and a traceback)."""
     from hypothesis import settings
     from hypothesis.errors import InvalidArgument
-    if not name:
+    if not name or name in OLD_PROFILE_NAMES:
         return None
     try:
         settings.get_profile(name)
         return None
     except InvalidArgument:
         pass
-    close = difflib.get_close_matches(name, list(PROFILE_USES), n=1, cutoff=0.5)
+    names = {**{p: p for p in PROFILE_USES}, **OLD_PROFILE_NAMES}   # an old short name's typo finds the new name
+    close = [names[c] for c in difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)]
     listed = "; ".join(f"{p} ({use})" for p, use in PROFILE_USES.items())
     return (f"--hypothesis-profile={name!r} is not a registered Hypothesis profile. The suite's profiles: {listed}\n"
-            f"  fix: --hypothesis-profile={close[0] if close else 'ci'}")
+            f"  fix: --hypothesis-profile={close[0] if close else GATE_PROFILE}")
 
 
 # The ways of naming the trainer: the option's name (as in the plugin's OPTIONS), the environment

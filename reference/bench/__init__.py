@@ -1,4 +1,4 @@
-"""`python -m reference.bench`: how much the library's guarantees cost, measured in one run.
+"""`python -m resume_conformance.reference.bench`: how much the library's guarantees cost, measured in one run.
 
 Six variants (and one for reference) run on the same fp32, model-like state (a few large tensors, many small ones), the
 variants alternating round by round so that background noise hits all of them alike. A ratio is

@@ -1,4 +1,4 @@
-"""`python -m reference.bench`: options, priority, the work directory."""
+"""`python -m resume_conformance.reference.bench`: options, priority, the work directory."""
 from __future__ import annotations
 
 import argparse
@@ -52,7 +52,8 @@ def _default_parent() -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m reference.bench", description=_package_doc().split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m resume_conformance.reference.bench",
+                                     description=_package_doc().split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=1024,
                         help="state size in MiB (default 1024: every sample takes >= 0.5 s here)")
     parser.add_argument("--repeats", type=int, default=MIN_ROUNDS,
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                chains=not args.no_chains, log=log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    command = "python -m reference.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m resume_conformance.reference.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     result["command"] = command.strip()
     result["priority"] = priority
     if args.json:

@@ -74,7 +74,7 @@ def _memory_child(variant: str, size_mb: float, directory: Path) -> dict[str, An
 
 
 def measure_memory(variant: str, size_mb: float, directory: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "reference.bench", "--_memory-child", variant,
+    cmd = [sys.executable, "-m", "resume_conformance.reference.bench", "--_memory-child", variant,
            "--size-mb", str(size_mb), "--dir", str(directory)]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)

@@ -1,1 +1,1 @@
-"""`python -m reference fsck DIR` (`fsck`) and `python -m reference log DIR` (`log`)."""
+"""`python -m resume_conformance.reference fsck DIR` (`fsck`) and `python -m resume_conformance.reference log DIR` (`log`)."""

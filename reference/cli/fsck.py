@@ -1,4 +1,4 @@
-"""`python -m reference fsck DIR`: verify every checkpoint in a directory, one row each.
+"""`python -m resume_conformance.reference fsck DIR`: verify every checkpoint in a directory, one row each.
 
 Chained checkpoints are loaded through their whole chain (a missing or replaced parent is
 "broken-chain"), and pieces of the store that no manifest lists are "orphan" rows. `--gc` lists
@@ -43,7 +43,8 @@ def scan(directory: Path) -> list[tuple[str, str, str, str]]:
             rows.append((entry.name, "-", "temp", "left by an interrupted save; removed on next save"))
     for path in gc.orphans(directory)[0]:
         rows.append((f"{chain.PIECES}/{path.name}", "-", "orphan",
-                     f"{path.stat().st_size} bytes no manifest lists; python -m reference fsck --gc removes it"))
+                     f"{path.stat().st_size} bytes no manifest lists; "
+                     "python -m resume_conformance.reference fsck --gc removes it"))
     return rows
 
 

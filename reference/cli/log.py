@@ -1,4 +1,4 @@
-"""`python -m reference log DIR`: the checkpoints of a run directory as a lineage DAG.
+"""`python -m resume_conformance.reference log DIR`: the checkpoints of a run directory as a lineage DAG.
 
 One line per checkpoint (id, step, branch, parent, tier, size, why it was saved), oldest first
 within each branch; `--format dot` prints Graphviz. `--cold URL` adds the cold tier's committed

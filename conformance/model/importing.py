@@ -1,0 +1,77 @@
+"""How an adapter's module is imported, and what a user is told when it is not: the bundled trainers'
+old top-level spelling (`fixtures.x`, before they moved under `resume_conformance.`), and for a
+module that cannot be imported, which part of its dotted name failed and the nearest existing name."""
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import os
+import pkgutil
+import sys
+from pathlib import Path
+
+NAMESPACE = "resume_conformance"
+OLD_TOP_LEVEL = ("fixtures", "reference")   # installed top-level until 0.1.0; PyPI has both names
+
+
+def _bundled_dir(top: str) -> Path | None:
+    spec = importlib.util.find_spec(f"{NAMESPACE}.{top}")
+    return Path(spec.submodule_search_locations[0]).resolve() if spec and spec.submodule_search_locations else None
+
+
+def _find(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):   # a parent that is not a package, or fails to import
+        return None
+
+
+def current_spelling(module_name: str) -> str | None:
+    """The new name of a bundled module given by its old top-level spelling (`fixtures.broken.x` ->
+    `resume_conformance.fixtures.broken.x`); None when the name is not an old spelling, or when a
+    package of the user's own answers to it (a project's own `fixtures/` stays theirs)."""
+    top = module_name.split(".")[0]
+    if top not in OLD_TOP_LEVEL:
+        return None
+    new = f"{NAMESPACE}.{module_name}"
+    if _find(new) is None:
+        return None
+    theirs = _find(top)
+    bundled = _bundled_dir(top)
+    if theirs is not None and theirs.submodule_search_locations and bundled is not None:
+        if Path(theirs.submodule_search_locations[0]).resolve() != bundled:
+            return None
+    return new
+
+
+def _children(package: str | None, search: tuple[str, ...]) -> list[str]:
+    """The module names directly inside `package` (None: the top level of `search` and sys.path)."""
+    if package is None:
+        return sorted({m.name for m in pkgutil.iter_modules([*search, *[p for p in sys.path if p]])})
+    spec = _find(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return sorted({m.name for m in pkgutil.iter_modules(locations)})
+
+
+def why_not_importable(module_name: str, exc: ImportError, search: tuple[str, ...]) -> tuple[str, str]:
+    """(cause, fix) for a module that raised ImportError: the part of the dotted name that is
+    missing, with the nearest existing name; or, when the module exists but something it imports
+    does not, that import."""
+    missing = getattr(exc, "name", None) or ""
+    parts = module_name.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    if missing and missing not in prefixes:
+        return (f"cannot import {module_name!r}: it exists, but importing it failed: {exc}",
+                f"install {missing.split('.')[0]!r} in this environment, or fix that import in {module_name}")
+    depth = prefixes.index(missing) if missing in prefixes else len(parts) - 1
+    parent = prefixes[depth - 1] if depth else None
+    near = difflib.get_close_matches(parts[depth], _children(parent, search), n=1, cutoff=0.6)
+    suggestion = f" (did you mean {'.'.join([*parts[:depth], near[0]])!r}?)" if near else ""
+    if parent is None:
+        where = ", ".join(search) or os.getcwd()
+        return (f"cannot import {module_name!r}: no module {parts[0]!r} on sys.path or in {where}{suggestion}",
+                f"run pytest from the directory that holds {parts[0]!r}, or install that package"
+                + (f"; or spell it {near[0]!r}" if near else ""))
+    return (f"cannot import {module_name!r}: {parent!r} has no module {parts[depth]!r}{suggestion}",
+            f"check the spelling of {parts[depth]!r}" + (f": {'.'.join([*parts[:depth], near[0]])}" if near else ""))
