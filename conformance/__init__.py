@@ -1,5 +1,6 @@
 """Resume-determinism conformance suite for PyTorch training checkpoints."""
-from .model.adapters import LegacySample, TrainerAdapter
+from .model.adapters import Capability, LegacySample, TrainerAdapter
+from .model.context import RunContext, Trainer
 from .model.settings import VERSION as __version__
 
 # The subpackages in import order, lowest first ("" is the modules directly in this package): a module
@@ -17,4 +18,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'conformance' has no attribute {name!r}")
 
 
-__all__ = ["LAYERS", "LegacySample", "ResumeConformance", "TrainerAdapter", "__version__"]
+__all__ = ["LAYERS", "Capability", "LegacySample", "ResumeConformance", "RunContext", "Trainer", "TrainerAdapter",
+           "__version__"]

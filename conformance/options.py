@@ -3,8 +3,11 @@ keys and short spellings, how a value is read (the flag, else the ini key), and 
 values that are not a plain string."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -83,7 +86,34 @@ def resume_interpreter(config) -> str | None:
     if found is None:
         raise pytest.UsageError(f"{USAGE_PREFIX}--resume-python {value!r} is not an executable\n  fix: give the "
                                 "interpreter of another environment, e.g. .venv-np126/bin/python")
-    return os.path.abspath(found)
+    found = os.path.abspath(found)
+    missing = _lacks_suite(found)
+    if missing:
+        raise pytest.UsageError(f"{USAGE_PREFIX}--resume-python {found}: that environment cannot import this suite "
+                                f"({missing}); upgrade_resume starts its trainer processes there\n  fix: "
+                                f"{found} -m pip install --no-deps {_install_spec()}")
+    return found
+
+
+@functools.cache
+def _lacks_suite(interpreter: str) -> str | None:
+    """Why `interpreter` cannot run the suite's trainer processes (its last error line), or None."""
+    proc = subprocess.run([interpreter, "-c", "import conformance.run.child"], capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode == 0:
+        return None
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit {proc.returncode}"
+
+
+def _install_spec() -> str:
+    """How another environment installs this very suite: its checkout, where it runs from one."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file():
+        return f"-e {root}"
+    from .model.settings import VERSION
+    return f"resume-conformance=={VERSION}"
 
 
 def rdzv_port(config) -> int | None:
@@ -116,3 +146,16 @@ def accept_old_profile_name(name: str | None) -> None:
             settings.get_profile(name)
         except InvalidArgument:
             settings.register_profile(name, settings.get_profile(OLD_PROFILE_NAMES[name]))
+
+
+PLATFORM = sys.platform
+
+
+def platform_problem() -> str | None:
+    """The suite runs trainers the Linux way (/proc, pidfd, SO_PEERCRED, real-time signals,
+    strace): elsewhere, one usage error when it is asked to run, and nothing at all otherwise."""
+    if PLATFORM.startswith("linux"):
+        return None
+    return (f"the conformance suite runs on Linux only (this is {PLATFORM}): it watches trainer processes through "
+            "/proc, pidfd and strace\n  fix: run it on a Linux machine, in a Linux container (e.g. docker run "
+            "--cap-add=SYS_PTRACE ...), or under WSL 2 on Windows")

@@ -32,6 +32,7 @@ from .options import (  # noqa: F401
     add_short_spellings,
     number,
     option,
+    platform_problem,
     positive_seconds,
     rdzv_port,
     resume_interpreter,
@@ -172,7 +173,7 @@ def pytest_pycollect_makeitem(collector, name, obj):
     if isinstance(obj, type) and name.startswith("Test"):
         from .suite import ResumeConformance
         if issubclass(obj, ResumeConformance):
-            problem = obj.conformance_problem()
+            problem = platform_problem() or obj.conformance_problem()
             if problem is None and not obj.configured_by_options:
                 try:
                     _resolve(collector.config, obj.adapter, obj.trainer_cmd, obj.world_size, obj.nnodes)
@@ -209,6 +210,8 @@ def pytest_configure(config):
         config._conformance_adapter = None
         named = {name: option(config, name) for name in ("adapter", "trainer_cmd")}
         requested = _suite_requested(config)
+        if requested and platform_problem():
+            raise pytest.UsageError(platform_problem())
         spelled = {f.name: (f.spelling, f.ini_key) for f in FLAGS}   # as the user most likely typed it
         problem = trainer_naming_problem(named, spelled, os.environ if requested else {})
         if problem:

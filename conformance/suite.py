@@ -150,11 +150,15 @@ def _make_test(check: Check):
             check.decide(session, spec, param, case)
         except CrashPointMissing as exc:
             note(str(exc))
+            if check.draw is not None:
+                evidence.drawn(False, str(exc).splitlines()[0])
             reject()   # a later point that its process never reaches: draw another schedule
         except (ConformanceFailure, CrashNotLanded) as exc:
             if request.config.getoption("verbose") >= 2:
                 raise   # -vv: the suite's own frames too
             failure = exc
+        if check.draw is not None:
+            evidence.drawn(True)
         if failure is not None:   # outside the except block: no "during handling" chain, no second copy
             raise CheckFailed(str(failure), failure, spec, case)   # the report is the message; the suite's source is noise
 

@@ -271,8 +271,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 def test_the_profiles_use_the_database_the_variable_names(tmp_path):
     code = ("from hypothesis import settings\nimport conformance.model.settings\n"
-            "print(repr(settings.get_profile('ci').database) == repr(settings.get_profile('fuzz').database))\n"
-            "print(repr(settings.get_profile('ci').database))")
+            "print(repr(settings.get_profile('conformance-ci').database) == "
+            "repr(settings.get_profile('conformance-fuzz').database))\n"
+            "print(repr(settings.get_profile('conformance-ci').database))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env=_env(CONFORMANCE_EXAMPLE_DB=f"dir:{tmp_path / 'shared'}"))
     assert proc.stdout.split("\n")[:2] == ["True", f"DirectoryBasedExampleDatabase(PosixPath('{tmp_path / 'shared'}'))"], \

@@ -277,10 +277,10 @@ def test_a_kill_and_a_power_cut_that_leave_the_same_files_share_one_resume(tmp_p
     unsynced leaves what a kill leaves): the second asks the session, which runs each (probe,
     directory content) once. The content is read from disk, so how a directory was built does not
     matter; what a kept run named moves with it to the directory that asks."""
-    from types import SimpleNamespace
 
     from conformance.checks.session import Session
     from conformance.checks.states import observed_run
+    from conformance.model.adapters import TrainerAdapter
     from conformance.offline import powerloss
     from conformance.offline.unseen import DirectoryView
 
@@ -297,7 +297,7 @@ def test_a_kill_and_a_power_cut_that_leave_the_same_files_share_one_resume(tmp_p
     assert key["kill"] == key["cut"] and key["lossy"] != key["kill-early"]
 
     runner = _CountingRunner()
-    session = Session(SimpleNamespace(), tmp_path / "work", runner=runner)
+    session = Session(TrainerAdapter(name="stub", argv=("x",)), tmp_path / "work", runner=runner)
     probe = RunSpec(8, 3, 0)
 
     def resume(name, spec=probe, observe=False):

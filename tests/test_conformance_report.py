@@ -171,7 +171,7 @@ def test_failure_report_plot_and_junitxml(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     data = report.load_report(rep / "report.json")
     assert data.adapter.spec == "resume_conformance.fixtures.broken.rng_not_restored:ADAPTER"
-    assert data.versions["suite"] and data.versions["torch"] and data.hypothesis_profile == "quick"
+    assert data.versions["suite"] and data.versions["torch"] and data.hypothesis_profile == "conformance-quick"
     cases = {c.check: c for c in data.cases}
     assert cases["determinism_precondition"].outcome == "passed"
     failed = cases["resume_matches_baseline"]

@@ -76,6 +76,111 @@ def test_without_trainers_the_projects_correct_trainers_are_soaked(tmp_path):
     assert [t.adapter for t in plan.trainers] == list(CORRECT_TRAINERS)
 
 
+# -- default trainers that cannot be loaded here (an optional extra not installed) -----------------
+
+CAREFUL = "resume_conformance.fixtures.careful_loop:ADAPTER"   # needs the torchdata extra
+
+
+@pytest.fixture
+def without_torchdata(monkeypatch):
+    """This interpreter as if the torchdata extra were not installed: careful_loop raises its ImportError."""
+    for name in [n for n in sys.modules if n == "torchdata" or n.startswith("torchdata.")] + ["torchdata"]:
+        monkeypatch.setitem(sys.modules, name, None)   # None: `import torchdata...` raises ImportError
+    monkeypatch.delitem(sys.modules, CAREFUL.partition(":")[0], raising=False)   # imported afresh (restored after)
+
+
+def test_without_trainers_one_that_needs_a_missing_extra_is_skipped_with_the_reason(capsys, tmp_path, monkeypatch,
+                                                                                     without_torchdata):
+    from resume_conformance.fixtures import CORRECT_TRAINERS
+    ran = []
+    monkeypatch.setattr(soak, "run_pytest", lambda cmd, run_dir: ran.append(cmd) or soak.Outcome({"passed": 1}, []))
+    assert main(["soak", "--runs", "1", "--workers", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    others = [spec for spec in CORRECT_TRAINERS if spec != CAREFUL]
+    assert [next(a.partition("=")[2] for a in cmd if a.startswith("--conformance-adapter=")) for cmd in ran] == others
+    skip = f"soak: skipping {CAREFUL}: {CAREFUL.partition(':')[0]} needs torchdata: pip install resume-conformance[torchdata]"
+    assert out[0] == skip   # one line, before the campaign's first
+    assert out[1].startswith(f"soak: 1 run(s) x {len(others)} trainer(s)")
+    assert not any("fix:" in line or "run pytest from" in line for line in out)
+
+
+def test_a_named_trainer_that_needs_a_missing_extra_stays_a_usage_error(capsys, tmp_path, monkeypatch, without_torchdata):
+    monkeypatch.setattr(soak, "run_pytest", lambda cmd, run_dir: pytest.fail(f"a run started: {cmd}"))
+    assert main(["soak", "--adapter", CAREFUL, "--adapter", REF, "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"python -m conformance soak: error: cannot use the trainer {CAREFUL}: ")
+    assert captured.out == ""
+
+
+@pytest.fixture
+def default_trainers(tmp_path, monkeypatch):
+    """DEFAULT_SOAK as a module of `tmp_path` listing the given specs; `extra_module(name)`: a module
+    there that raises the ImportError of a trainer whose extra is not installed."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    made = []
+
+    def extra_module(name: str, extra: str) -> str:
+        (tmp_path / f"{name}.py").write_text(
+            "try:\n    import no_such_extra_package_here\nexcept ImportError as exc:\n"
+            f"    raise ImportError('{name} needs {extra}: pip install resume-conformance[{extra}]') from exc\n")
+        made.append(name)
+        return f"{name}:ADAPTER"
+
+    def defaults(*specs: str) -> None:
+        name = f"soak_defaults_{len(made)}"
+        (tmp_path / f"{name}.py").write_text(f"TRAINERS = {specs!r}\n")
+        made.append(name)
+        monkeypatch.setattr(soak, "DEFAULT_SOAK", f"{name}:TRAINERS")
+    yield extra_module, defaults
+    for name in made:
+        sys.modules.pop(name, None)
+
+
+def test_a_default_list_with_an_unloadable_spec_keeps_the_others_in_order(capsys, tmp_path, monkeypatch, default_trainers):
+    extra_module, defaults = default_trainers
+    frob = extra_module("soak_frob_trainer", "frob")
+    defaults(REF, frob, "resume_conformance.fixtures.temp_names:MKSTEMP")
+    plan = soak.plan(parse("--out", str(tmp_path)))
+    assert [t.label for t in plan.trainers] == [REF, "resume_conformance.fixtures.temp_names:MKSTEMP"]
+    assert plan.skipped == ((frob, "soak_frob_trainer needs frob: pip install resume-conformance[frob]"),)
+    lines = []
+    assert soak.campaign(plan, run=lambda cmd, d: soak.Outcome({"passed": 1}, []), out=lambda *a, **k: lines.append(a[0])) == 0
+    assert lines[0] == f"soak: skipping {frob}: soak_frob_trainer needs frob: pip install resume-conformance[frob]"
+    assert lines[1].startswith("soak: 3 run(s) x 2 trainer(s)")
+    runs = [line.split()[0] for line in lines if "/3 seed" in line]
+    assert runs == [REF] * 3 + ["resume_conformance.fixtures.temp_names:MKSTEMP"] * 3
+
+
+def test_when_no_default_trainer_can_be_loaded_it_is_a_usage_error_saying_why(capsys, tmp_path, monkeypatch, default_trainers):
+    extra_module, defaults = default_trainers
+    frob, quux = extra_module("soak_frob_only", "frob"), extra_module("soak_quux_only", "quux")
+    defaults(frob, quux)
+    monkeypatch.setattr(soak, "run_pytest", lambda cmd, run_dir: pytest.fail(f"a run started: {cmd}"))
+    assert main(["soak", "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "python -m conformance soak: error: none of the default trainers (soak_defaults_2:TRAINERS) can be loaded here:",
+        f"  {frob}: soak_frob_only needs frob: pip install resume-conformance[frob]",
+        f"  {quux}: soak_quux_only needs quux: pip install resume-conformance[quux]"]
+
+
+def test_an_injected_check_can_skip_a_default_trainer_and_other_problems_stay_usage_errors(tmp_path):
+    from resume_conformance.fixtures import CORRECT_TRAINERS
+
+    def check(trainer, world_size):
+        if trainer.adapter == CAREFUL:
+            raise soak.TrainerUnloadable(f"cannot use the trainer {CAREFUL}", "needs torchdata:\n pip install x[torchdata]")
+    plan = soak.plan(parse("--out", str(tmp_path)), check_trainer=check)
+    assert [t.adapter for t in plan.trainers] == [spec for spec in CORRECT_TRAINERS if spec != CAREFUL]
+    assert plan.skipped == ((CAREFUL, "needs torchdata: pip install x[torchdata]"),)   # on one line
+
+    def broken(trainer, world_size):
+        raise soak.SoakUsageError(f"--world-size is {world_size!r}, not a whole number >= 1")
+    with pytest.raises(soak.SoakUsageError, match="--world-size is '0'"):   # not a trainer to skip: the options are wrong
+        soak.plan(parse("--out", str(tmp_path), "--world-size", "0"), check_trainer=broken)
+
+
 # -- seeds ----------------------------------------------------------------------------------------
 
 def test_run_seeds_are_a_deterministic_function_of_the_campaign_seed_and_distinct_per_run():

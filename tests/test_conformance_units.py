@@ -55,7 +55,9 @@ def test_failure_message_has_check_schedule_and_replay_line():
             "'--check=no_lost_work[inside_save]' --total-steps=12 --save-every=3 --seed=0 --schedule=fs:7") in text
 
 
-def test_replay_command_quotes_trainer_commands():
+def test_replay_command_quotes_trainer_commands(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
     adapter = command_adapter("python train.py --small")
     cmd = replay_command(adapter, "no_torn_state", RunSpec(12, 3, 0), {"schedule": "step:2"})
     assert "'--trainer-cmd=python train.py --small'" in cmd and "--schedule=step:2" in cmd
@@ -166,14 +168,35 @@ def test_replay_command_of_a_multi_rank_trainer_parses_back():
 
 
 def test_an_adapter_may_ask_for_a_longer_run():
-    from conformance.model.adapters import TrainerAdapter
+    from conformance.model.adapters import Capability, TrainerAdapter
     from conformance.model.settings import TOTAL_STEPS
     plain = TrainerAdapter(name="t", argv=("x",))
     assert plain.total_steps == TOTAL_STEPS
-    assert TrainerAdapter(name="t", argv=("x",), capabilities=frozenset({"syscall_crash", "steps=30"})).total_steps == 30
-    for bad in ({"steps=3"}, {"steps=x"}, {"steps=20", "steps=30"}):
-        with pytest.raises(ValueError, match="must be one 'steps=N' with N an integer >= 14"):
-            _ = TrainerAdapter(name="t", argv=("x",), capabilities=frozenset(bad)).total_steps
+    longer = TrainerAdapter(name="t", argv=("x",), capabilities=frozenset({"syscall_crash"}), steps=30)
+    assert longer.total_steps == 30 and longer.capabilities == {Capability.SYSCALL_CRASH}
+    for bad in (3, "30", 13.5, True):
+        with pytest.raises(ValueError, match="must be an integer >= 14"):
+            TrainerAdapter(name="t", argv=("x",), steps=bad)
+    with pytest.raises(ValueError, match=r"\(steps=30 is now the adapter attribute `steps = 30`\)"):
+        TrainerAdapter(name="t", argv=("x",), capabilities=frozenset({"steps=30"}))
+    with pytest.raises(ValueError, match=r"unknown capabilities \['cold-tier'\]"):
+        TrainerAdapter(name="t", argv=("x",), capabilities=frozenset({"cold-tier"}))
+
+
+def test_the_contract_is_typed_and_read_whole_from_the_environment(tmp_path):
+    from conformance import RunContext, Trainer
+    env = {"CONFORMANCE_CKPT_DIR": str(tmp_path), "CONFORMANCE_TOTAL_STEPS": "14", "CONFORMANCE_SAVE_EVERY": "3",
+           "CONFORMANCE_SEED": "0", "CONFORMANCE_LOSS_LOG": str(tmp_path / "l"), "CONFORMANCE_COLD_URL": "file:///c",
+           "CONFORMANCE_SHARED_DIR": str(tmp_path / "s"), "CONFORMANCE_RESUME_FROM": "6",
+           "CONFORMANCE_HANG_TIMEOUT": "10", "RANK": "1", "WORLD_SIZE": "2"}
+    ctx = RunContext.from_env(env)
+    assert (ctx.ckpt_dir, ctx.total_steps, ctx.save_every, ctx.seed, ctx.cold_url, ctx.shared_dir, ctx.resume_from,
+            ctx.hang_timeout, ctx.rank, ctx.world_size) == (tmp_path, 14, 3, 0, "file:///c", tmp_path / "s", 6, 10.0, 1, 2)
+    bare = RunContext.from_env({k: v for k, v in env.items() if k in list(env)[:5]})
+    assert (bare.cold_url, bare.shared_dir, bare.resume_from, bare.hang_timeout, bare.rank, bare.world_size) == \
+        (None, None, None, None, 0, 1)
+    from resume_conformance.fixtures.python_adapter import ADAPTER
+    assert isinstance(ADAPTER, Trainer) and not isinstance(object(), Trainer)
 
 
 def test_the_version_has_one_source():
@@ -186,3 +209,24 @@ def test_the_version_has_one_source():
     import conformance
     declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
     assert conformance.__version__ == reference.__version__ == importlib.metadata.version("resume-conformance") == declared
+
+
+def test_draws_the_suite_could_not_deliver_are_counted_and_a_thin_green_verdict_says_so():
+    from conformance.model import evidence
+    from conformance.report import report
+    evidence.take()
+    for _ in range(3):
+        evidence.drawn(True)
+    for i in range(37):
+        evidence.drawn(False, f"fs:{40 + i % 5} is past the run's last operation")
+    (draws,) = [e for e in evidence.take() if isinstance(e, evidence.Draws)]
+    assert (draws.delivered, draws.undelivered, len(draws.reasons)) == (3, 37, 3)
+    assert draws.summary().startswith("3 of 40 drawn case(s) delivered; 37 could not be (e.g. fs:40 is past")
+    assert evidence.Evidence.from_json(draws.to_json()) == draws
+    evidence.drawn(True)
+    assert not [e for e in evidence.take() if isinstance(e, evidence.Draws)]   # all delivered: nothing to say
+    case = report.Case(check="no_lost_work[inside_save]", nodeid="x", outcome="passed", evidence=[draws])
+    built = report.Report(versions={}, adapter=None, hypothesis_profile="conformance-ci", platform="", created="",
+                          cases=[case])
+    assert built.warnings == ["`no_lost_work[inside_save]` passed on " + draws.summary()]
+    assert "**Warning**: `no_lost_work[inside_save]` passed on 3 of 40" in report.render_markdown(built)

@@ -9,6 +9,7 @@ and run several at once, like crash states: one process per file and damage kind
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,7 @@ from ..offline.crash_states import Replayer, save_files
 from ..trace.recording import Op, RecordedRun
 from .common import copy_prefix, plot_mismatch, resumed_from
 from .failures import format_mismatches, loss_mismatches, max_abs_diff
+from .fixes import POINTER_DELETED, CauseFix
 from .session import Session
 from .states import STATE_WORKERS
 
@@ -33,6 +35,7 @@ class Damage:
     result: ProcessResult
     problem: str | None
     details: str = ""
+    fix: CauseFix | None = None   # the cause's fix, where the damage says one (fix_for)
 
 
 def damage_targets(session: Session, spec: RunSpec, newest_files: list[Path], ckpt: Path, stop: int) -> list[str]:
@@ -119,13 +122,14 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
     def one(rel: str) -> Damage:
         d, _, _ = copy_prefix(session, spec, f"corrupt-{kind}", check, stop)
         ckpt = (d / "ckpt").resolve()
+        fix = fix_for(kind, pointer=kind == "delete" and is_pointer(ckpt, rel, stop))   # read before the damage
         what = corrupt(kind, ckpt / rel)
         result = session.runner.run_process(session.adapter, spec, ckpt, (d / "loss.jsonl").resolve())
         needed = rel in shared or rel in held.get(previous, ())   # the fallback is damaged too
         problem, details = judge(session, spec, result, stop, previous, needed)
         if problem is None:
             shutil.rmtree(d, ignore_errors=True)
-        return Damage(rel, what, result, problem, details)
+        return Damage(rel, what, result, problem, details, fix)
 
     with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
         outcomes = list(pool.map(one, targets))
@@ -149,8 +153,45 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
                                    f"{len(failures)} of {len(targets)} damaged files went wrong)"
                                    + first.details + plot
                                    + (f"\n  other damaged files that went wrong:{others}" if others else ""),
-                           case={"file": first.file})
+                           case={"file": first.file}, fix=first.fix)
     return len(targets)
+
+
+POINTER_MAX_BYTES = 4096
+_TOKEN = re.compile(r"[^\s\"',;{}\[\]<>]+")
+
+
+def _names_step(text: str, step: int) -> bool:
+    """Whether `text` holds the number `step` as a checkpoint name does (`global_step12`,
+    `step-00000012`, `epoch=2-step=12.ckpt`, `12`), not inside a hex digest."""
+    return re.search(rf"(?<![0-9a-fA-F])0*{step}(?![0-9A-Za-z])", text) is not None
+
+
+def is_pointer(ckpt: Path, rel: str, stop: int) -> bool:
+    """Whether the file `rel` of the checkpoint directory `ckpt` is a pointer: what a trainer reads
+    to find the checkpoint to load (`latest`, DeepSpeed's `latest`, Megatron's
+    `latest_checkpointed_iteration.txt`, an index of the checkpoints), not a part of one. Its name
+    has no step in it, and it is a small text file that holds the newest checkpoint's step alone or
+    names an entry of the directory with that step in its name (`step-00000012`, `global_step12`).
+    A per-checkpoint manifest (`step-00000012/index.json`) has the step in its own name: not a
+    pointer. Read before the damage."""
+    path = ckpt / rel
+    if _names_step(rel, stop) or path.is_symlink() or not path.is_file() or path.stat().st_size > POINTER_MAX_BYTES:
+        return False
+    try:
+        text = path.read_bytes().decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if text.isdigit():
+        return int(text) == stop
+    names = {p.name for p in ckpt.rglob("*") if p != path}
+    return any(_names_step(token, stop) and Path(token).name in names for token in _TOKEN.findall(text))
+
+
+def fix_for(kind: str, *, pointer: bool) -> CauseFix | None:
+    """The fix a damaged file's failure names in place of the check's default (hashes): a deleted
+    pointer asks for a loader that finds checkpoints without it, not for hashes."""
+    return POINTER_DELETED if kind == "delete" and pointer else None
 
 
 def read_by_previous(session: Session, spec: RunSpec, previous: int, newest: set[str]) -> frozenset[str]:

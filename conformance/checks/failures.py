@@ -8,16 +8,19 @@ from ..model import evidence
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec
 from .digests import StateMismatch, first_state_mismatch
+from .fixes import CauseFix
 from .tolerance import Tolerance
 
 
 class ConformanceFailure(AssertionError):
     """A check failed; the message is the report. `spec` and `case` (the check's replay options)
     say which case failed, where the check named one: what a replay, or a confirmation in a fresh
-    interpreter, reruns."""
+    interpreter, reruns. `fix`: the cause the check's evidence found, where it changes what to fix
+    (fixes.CauseFix); the `fix:` line the registry appends says it instead of the check's default."""
 
     spec: RunSpec | None = None
     case: dict[str, str] | None = None
+    fix: CauseFix | None = None
 
 
 class CheckNotApplicable(Exception):
@@ -124,7 +127,7 @@ def replay_command(adapter: TrainerAdapter, check: str, spec: RunSpec, case: dic
 
 
 def fail(check: str, adapter: TrainerAdapter, spec: RunSpec, problem: str, *, details: str = "",
-         case: dict[str, str] | None = None, schedule: str | None = None) -> ConformanceFailure:
+         case: dict[str, str] | None = None, schedule: str | None = None, fix: CauseFix | None = None) -> ConformanceFailure:
     lines = [f"[{check}] {problem}",
              f"  trainer:  {adapter.name}",
              f"  run:      {spec.describe()}"]
@@ -134,7 +137,7 @@ def fail(check: str, adapter: TrainerAdapter, spec: RunSpec, problem: str, *, de
         lines.append(details.rstrip())
     lines.append(f"  replay:   {replay_command(adapter, check, spec, case)}")
     failure = ConformanceFailure("\n".join(lines))
-    failure.spec, failure.case = spec, case
+    failure.spec, failure.case, failure.fix = spec, case, fix
     return failure
 
 

@@ -1,6 +1,13 @@
 """What to change when a check fails: one line per check, ending every failure message (`fix:`) and
-rendered, with each check's summary, as docs/checks.md."""
+rendered, with each check's summary, as docs/checks.md.
+
+FIXES is each check's default. Where a check's evidence tells one cause from another and the cause
+changes what to fix, the check passes that cause's CauseFix with its failure (`fail(..., fix=...)`)
+and the `fix:` line says it instead: the fix is chosen from what the runs showed, not from the check id.
+"""
 from __future__ import annotations
+
+import dataclasses
 
 DOCS_PAGE = "docs/checks.md"
 
@@ -87,7 +94,45 @@ FIXES = {
 }
 
 
-def fix_line(check_id: str) -> str:
-    """`  fix:      <what to change> (docs/checks.md#<check>)` for `check` or `check[param]`."""
+@dataclasses.dataclass(frozen=True)
+class CauseFix:
+    """What to change for one cause of one check's failure, in place of the check's default."""
+
+    check: str     # the check id, without its parameter
+    cause: str     # the evidence that tells this cause apart, in words (docs/checks.md)
+    fix: str
+
+
+ERRNO_LOST = CauseFix(
+    "io_error", "the trainer exited non-zero but its stderr does not name the injected errno",
+    "make the error that reaches the top name the errno (ENOSPC, EIO), not only a wrapper's message; re-raise "
+    "where a save fails with the original OSError chained (`raise ... from err`, never `from None`) and let the "
+    "whole chain print; torch.save to a path turns ENOSPC or EIO into `RuntimeError: ... unexpected pos` and keeps "
+    "the OSError only as its __context__ (torch.save to an open file object raises the OSError), and DCP's "
+    "exception gather drops even that (log each rank's own OSError before DCP gathers it)")
+FSYNC_FAILED_COMMITTED = CauseFix(
+    "io_error", "the trainer renamed into place (committed) a file whose fsync had failed",
+    "abandon a file whose fsync failed, never retry the fsync and rename it into place (the kernel may have "
+    "dropped its data, fsyncgate); raise, or write the whole save anew into a new temp file, and keep the "
+    "previous checkpoint until the new one is committed")
+POINTER_DELETED = CauseFix(
+    "corruption_detected", "the file deleted (`[delete]`) is a pointer such as `latest` (small text naming the newest "
+    "checkpoint)",
+    "never require a pointer file (such as `latest`) to find a checkpoint: when it is missing, or names a checkpoint "
+    "that is not there or not complete, scan the directory for the newest checkpoint that is complete and verifies, "
+    "and resume from it; write the pointer last (temp file, fsync, os.replace)")
+
+CAUSE_FIXES: tuple[CauseFix, ...] = (ERRNO_LOST, FSYNC_FAILED_COMMITTED, POINTER_DELETED)
+
+
+def fix_text(check_id: str, fix: CauseFix | None = None) -> str:
+    """What to change for a failure of `check` or `check[param]`: `fix`'s if it is this check's, else the default."""
     name = check_id.partition("[")[0]
-    return f"  fix:      {FIXES[name]} ({DOCS_PAGE}#{name})"
+    return fix.fix if fix is not None and fix.check == name else FIXES[name]
+
+
+def fix_line(check_id: str, fix: CauseFix | None = None) -> str:
+    """`  fix:      <what to change> (docs/checks.md#<check>)` for `check` or `check[param]`; `fix`, a
+    cause the check's evidence found, replaces the check's default."""
+    name = check_id.partition("[")[0]
+    return f"  fix:      {fix_text(check_id, fix)} ({DOCS_PAGE}#{name})"

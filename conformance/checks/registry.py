@@ -38,7 +38,7 @@ from . import (
     upgrade,
 )
 from .failures import ConformanceFailure, stderr_tail
-from .fixes import FIXES, fix_line
+from .fixes import CAUSE_FIXES, FIXES, fix_line
 from .session import Session
 
 
@@ -78,7 +78,7 @@ class Check:
             return self._run(session, check_id, spec, param, case)
         except ConformanceFailure as exc:     # every failure ends with what to change
             if "\n  fix:" not in str(exc):
-                exc.args = (f"{exc}\n{fix_line(check_id)}",)
+                exc.args = (f"{exc}\n{fix_line(check_id, exc.fix)}",)
             raise
 
     def _run(self, session: Session, check_id: str, spec: RunSpec, param: str | None, case: object) -> object:
@@ -353,8 +353,9 @@ def checks_page() -> str:
            "`python -m conformance.report.readme`. A failure's `fix:` line links to its check's section.", ""]
     for c in CHECKS:
         cases = f" Cases: {', '.join(f'`{c.id}[{p}]`' for p in c.params)}." if c.params else ""
-        out += [f"## `{c.id}`", "", f"What it asserts: {c.summary}.{cases}", "", f"Fix: {FIXES[c.id]}.",
-                "", f"Decided in `{c.decided_in}`.", ""]
+        out += [f"## `{c.id}`", "", f"What it asserts: {c.summary}.{cases}", "", f"Fix: {FIXES[c.id]}.", ""]
+        out += [line for f in CAUSE_FIXES if f.check == c.id for line in (f"Fix when {f.cause}: {f.fix}.", "")]
+        out += [f"Decided in `{c.decided_in}`.", ""]
     return "\n".join(out)
 
 

@@ -151,7 +151,9 @@ _EXPECTED = """# Expected failures: `<check id> : <reason>`, one per line (exact
 GATE = "pytest --pyargs conformance -n auto -p no:cacheprovider"
 _PYTEST = f"""# Merge into pyproject.toml. The CI gate is then this command, with no other option:
 #     {GATE}
-# (`--pyargs conformance` names the suite: a bare `pytest` collects only your own tests.)
+# (`--pyargs conformance` names the suite: a bare `pytest` collects only your own tests.) The suite's
+# tests run under its gate profile, conformance-ci (seeded: the same code gets the same verdict),
+# unless --hypothesis-profile selects another of its profiles; your own tests keep yours.
 [tool.pytest.ini_options]
 conformance_adapter = "conformance_adapter:ADAPTER"
 conformance_expected_failures = "conformance-expected-failures.txt"

@@ -56,6 +56,13 @@ class SoakUsageError(ValueError):
     pass
 
 
+class TrainerUnloadable(SoakUsageError):
+    """Its module raised ImportError (e.g. an extra not installed; the AdapterError's context); `reason`: its text."""
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = " ".join(reason.split()) or message
+
+
 @dataclasses.dataclass(frozen=True)
 class Trainer:
     """One soaked trainer: an adapter spec or a trainer command (one row of the table)."""
@@ -147,21 +154,15 @@ def build_command(trainer: Trainer, *, profile: str, seed: int | None = None, wo
     if seed is not None:
         cmd += ["-p", PLUGIN]
     cmd += trainer.options()
-    if world_size is not None:
-        cmd.append(f"--conformance-world-size={world_size}")
-    if nnodes is not None:
-        cmd.append(f"--conformance-nnodes={nnodes}")
+    cmd += [f"--conformance-world-size={world_size}"] if world_size is not None else []
+    cmd += [f"--conformance-nnodes={nnodes}"] if nnodes is not None else []
     cmd.append(f"--hypothesis-profile={profile + RANDOM_SUFFIX if seed is not None else profile}")
     if seed is not None:
         cmd.append(f"--hypothesis-seed={seed}")
-    if select:
-        cmd += ["-k", select]
-    if report_dir is not None:
-        cmd.append(f"--conformance-report={report_dir}")
-    if basetemp is not None:
-        cmd.append(f"--basetemp={basetemp}")
-    if workers != "0":
-        cmd += ["-n", workers]
+    cmd += ["-k", select] if select else []
+    cmd += [f"--conformance-report={report_dir}"] if report_dir is not None else []
+    cmd += [f"--basetemp={basetemp}"] if basetemp is not None else []
+    cmd += ["-n", workers] if workers != "0" else []
     return cmd
 
 
@@ -179,13 +180,11 @@ class Plan:
     select: str | None = None    # pytest -k: only these checks (e.g. the ones a change touched)
     shard: tuple[int, int] | None = None   # (i, N): this machine's slice of a campaign over N machines
     nnodes: str | None = None
+    skipped: tuple[tuple[str, str], ...] = ()   # (label, why): default trainers that cannot be loaded here
 
     def campaign_run(self, run: int) -> int:
         """The campaign's number for this machine's run `run` (1-based)."""
-        if self.shard is None:
-            return run
-        i, n = self.shard
-        return (run - 1) * n + i
+        return run if self.shard is None else (run - 1) * self.shard[1] + self.shard[0]
 
     def seed(self, run: int) -> int | None:
         return run_seed(self.campaign_seed, self.campaign_run(run)) if self.random else None
@@ -228,15 +227,22 @@ def plan(args, *, check_trainer: Callable[[Trainer, str | None], None] | None = 
         except AdapterError as exc:
             raise SoakUsageError(f"cannot load the default trainers: {exc}") from None
     nnodes = getattr(args, "nnodes", None)
+    check = check_trainer or (lambda trainer, world_size: _check_trainer(trainer, world_size, nnodes))
+    skipped = {}   # label: why, for default trainers that cannot be loaded here (e.g. an extra not installed)
     for trainer in trainers:
-        if check_trainer is not None:
-            check_trainer(trainer, args.world_size)
-        else:
-            _check_trainer(trainer, args.world_size, nnodes)
+        try:
+            check(trainer, args.world_size)
+        except TrainerUnloadable as exc:
+            if args.trainers:   # a trainer the user named: a usage error, as for any other problem with it
+                raise
+            skipped[trainer.label] = exc.reason
+    if len(skipped) == len(trainers):
+        raise SoakUsageError(f"none of the default trainers ({DEFAULT_SOAK}) can be loaded here:"
+                             + "".join(f"\n  {label}: {reason}" for label, reason in skipped.items()))
     campaign_seed = args.seed if args.seed is not None else (secrets.randbits(32) if args.random else None)
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="conformance-soak-"))
-    return Plan(trainers, args.runs, args.profile, args.random, campaign_seed, args.world_size, args.workers,
-                args.load, out_dir, args.select, shard, nnodes)
+    return Plan(tuple(t for t in trainers if t.label not in skipped), args.runs, args.profile, args.random, campaign_seed,
+                args.world_size, args.workers, args.load, out_dir, args.select, shard, nnodes, tuple(skipped.items()))
 
 
 def _check_trainer(trainer: Trainer, world_size: str | None, nnodes: str | None = None) -> None:
@@ -248,7 +254,9 @@ def _check_trainer(trainer: Trainer, world_size: str | None, nnodes: str | None 
     try:
         resolve(trainer.adapter, trainer.trainer_cmd, world_size=world_size, nnodes=nnodes)
     except AdapterError as exc:
-        raise SoakUsageError(f"cannot use the trainer {trainer.label}: {exc}") from None
+        message, cause = f"cannot use the trainer {trainer.label}: {exc}", exc.__cause__ or exc.__context__
+        error = TrainerUnloadable(message, str(cause)) if isinstance(cause, ImportError) else SoakUsageError(message)
+        raise error from None
 
 
 class Burners:
@@ -328,6 +336,8 @@ def campaign(plan: Plan, run: Callable[[list[str], Path], Outcome] | None = None
     """Every run of the plan, with its burners; prints a line per run, a table and the failures.
     `run(cmd, run_dir)` runs one (default: run_pytest)."""
     run = run or run_pytest
+    for label, reason in plan.skipped:
+        out(f"soak: skipping {label}: {reason}", flush=True)
     what = (f"the '{plan.profile}{RANDOM_SUFFIX}' profile, campaign seed {plan.campaign_seed} "
             f"(--random --seed {plan.campaign_seed} replays it)" if plan.random else f"the '{plan.profile}' profile")
     if plan.shard is not None:

@@ -8,6 +8,7 @@ and trainer processes get the same directories on PYTHONPATH.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import os
 import shlex
@@ -16,15 +17,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .importing import current_spelling, why_not_importable
+from .importing import current_spelling, python_target_problem, why_not_importable
 
 BUNDLED = "resume_conformance.fixtures.reference_trainer:ADAPTER"
 
-# Capabilities an adapter may declare; a check needing one the adapter lacks is skipped naming it.
-# Besides these, `steps=N` asks for runs of N steps (see TrainerAdapter.total_steps).
-KNOWN_CAPABILITIES = frozenset({"cold_tier", "extendable", "keep_best", "legacy_samples", "node_local_storage",
-                                "preemption_save", "reshard", "resume_from",
-                                "sharded", "syscall_crash"})
+class Capability(enum.StrEnum):
+    """What an adapter may declare it can do; a check needing one the adapter lacks is skipped
+    naming it. Values are the strings an adapter's `capabilities` may hold."""
+
+    COLD_TIER = "cold_tier"
+    EXTENDABLE = "extendable"
+    KEEP_BEST = "keep_best"
+    LEGACY_SAMPLES = "legacy_samples"
+    NODE_LOCAL_STORAGE = "node_local_storage"
+    PREEMPTION_SAVE = "preemption_save"
+    RESHARD = "reshard"
+    RESUME_FROM = "resume_from"
+    SHARDED = "sharded"
+    SYSCALL_CRASH = "syscall_crash"
+
+
+KNOWN_CAPABILITIES = frozenset(Capability)
 
 
 class AdapterError(ValueError):
@@ -60,22 +73,24 @@ class TrainerAdapter:
     world_size: int = 1     # > 1: launched as that many ranks by torchrun (launch.py)
     nnodes: int = 1         # > 1: the ranks spread over that many torchrun agents ("nodes", launch.py)
     settings: tuple[str, ...] = ()   # the run's verdict-changing options (flags.replay_settings), for replay
+    steps: int | None = None         # runs of this many steps instead of TOTAL_STEPS (>= it)
+
+    def __post_init__(self):
+        caps = frozenset(capabilities(self.capabilities, f"adapter {self.name!r}"))
+        object.__setattr__(self, "capabilities", caps)
+        if self.steps is not None:
+            from .settings import TOTAL_STEPS
+            if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < TOTAL_STEPS:
+                raise ValueError(f"adapter {self.name!r}: steps={self.steps!r} must be an integer >= {TOTAL_STEPS} "
+                                 "(the suite's shortest run)")
 
     @property
     def total_steps(self) -> int:
         """How many steps the suite's runs train: TOTAL_STEPS, or more when the adapter asks with
-        a capability `steps=N` (a trainer whose retention or full-checkpoint cadence needs a
-        longer run before it deletes anything, so that crash and power-loss states cover its
-        retention pass)."""
+        `steps` (a trainer whose retention or full-checkpoint cadence needs a longer run before
+        it deletes anything, so that crash and power-loss states cover its retention pass)."""
         from .settings import TOTAL_STEPS
-        asked = [c for c in self.capabilities if c.startswith("steps=")]
-        if not asked:
-            return TOTAL_STEPS
-        text = asked[0][len("steps="):]
-        if len(asked) > 1 or not text.isdigit() or int(text) < TOTAL_STEPS:
-            raise ValueError(f"adapter {self.name!r}: capability {', '.join(sorted(asked))} must be one "
-                             f"'steps=N' with N an integer >= {TOTAL_STEPS} (the suite's shortest run)")
-        return int(text)
+        return self.steps or TOTAL_STEPS
 
     def has(self, capability: str) -> bool:
         if capability == "legacy_samples":
@@ -118,6 +133,9 @@ def command_adapter(cmd: str, *, capabilities: frozenset[str] | None = None) -> 
     if not os.access(found, os.X_OK):
         raise AdapterError(f"--trainer-cmd {cmd!r}: {found} is not executable",
                            f"chmod +x {found}, or start it through its interpreter (python {exe})")
+    problem = python_target_problem(argv, found, import_dirs())
+    if problem:
+        raise AdapterError(f"--trainer-cmd {cmd!r}: {problem[0]}", problem[1])
     return TrainerAdapter(name=Path(argv[-1]).name if len(argv) == 1 else " ".join(argv[-2:]),
                           argv=argv, capabilities=capabilities or frozenset({"syscall_crash"}),
                           spec=f"cmd:{cmd}", pythonpath=import_dirs())
@@ -173,17 +191,34 @@ def python_adapter(spec: str, search: tuple[str, ...] = ()) -> TrainerAdapter:
     if not callable(run):
         raise AdapterError(f"adapter {spec!r} is neither a TrainerAdapter nor an object with run(ctx)",
                            "give it a run(ctx) method (see the README's adapter example)")
-    caps = frozenset(getattr(obj, "capabilities", frozenset({"syscall_crash"})))
-    unknown = {c for c in caps - KNOWN_CAPABILITIES if not c.startswith("steps=")}
-    if unknown:
-        raise AdapterError(f"adapter {spec!r} declares unknown capabilities {sorted(unknown)}",
-                           f"use only {sorted(KNOWN_CAPABILITIES)} (and 'steps=N' for a longer run)")
+    try:
+        caps = capabilities(getattr(obj, "capabilities", frozenset({"syscall_crash"})), f"adapter {spec!r}")
+    except ValueError as exc:
+        raise AdapterError(str(exc), f"use only {sorted(KNOWN_CAPABILITIES)}; a longer run is the attribute "
+                           "`steps = N`") from None
     samples = tuple(getattr(obj, "legacy_samples", ()) or ())
-    return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.run.child", spec),
-                          capabilities=caps, legacy_samples=samples, spec=spec,
-                          version=str(getattr(obj, "version", "") or ""), pythonpath=search,
-                          world_size=checked_world_size(getattr(obj, "world_size", 1), f"adapter {spec!r}: world_size"),
-                          nnodes=checked_world_size(getattr(obj, "nnodes", 1), f"adapter {spec!r}: nnodes", "nodes"))
+    world = checked_world_size(getattr(obj, "world_size", 1), f"adapter {spec!r}: world_size")
+    nodes = checked_world_size(getattr(obj, "nnodes", 1), f"adapter {spec!r}: nnodes", "nodes")
+    try:
+        return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.run.child", spec),
+                              capabilities=caps, legacy_samples=samples, spec=spec, steps=getattr(obj, "steps", None),
+                              version=str(getattr(obj, "version", "") or ""), pythonpath=search,
+                              world_size=world, nnodes=nodes)
+    except ValueError as exc:
+        raise AdapterError(str(exc), "give `steps` as a whole number of steps, at least the suite's 14") from None
+
+
+def capabilities(values, what: str) -> frozenset[Capability]:
+    """Capability names (strings, as an adapter or a command line gives them) as typed values;
+    ValueError naming the unknown ones."""
+    if isinstance(values, str):
+        values = (values,)
+    unknown = sorted(str(v) for v in values if v not in KNOWN_CAPABILITIES)
+    if unknown:
+        moved = [v for v in unknown if v.startswith("steps=")]
+        raise ValueError(f"{what} declares unknown capabilities {unknown}"
+                         + (f" ({moved[0]} is now the adapter attribute `steps = {moved[0][6:]}`)" if moved else ""))
+    return frozenset(Capability(v) for v in values)
 
 
 def checked_world_size(value, what: str, unit: str = "ranks") -> int:

@@ -78,6 +78,8 @@ class Evidence:
             values["mismatches"] = tuple(Mismatch(**m) for m in values["mismatches"] or ())
         if "crashes" in values:
             values["crashes"] = tuple(CrashRecord(**c) for c in values["crashes"] or ())
+        if "reasons" in values:
+            values["reasons"] = tuple(values["reasons"] or ())
         for name in ("max_abs_diff",):
             if name in values:
                 values[name] = _number(values[name])
@@ -296,8 +298,25 @@ class Compared(Evidence):
                                    max_abs_diff=max(both) if both else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Draws(Evidence):
+    """How many of a test's drawn cases the suite delivered (judged), and how many it could not
+    (a point the run never reaches: another was drawn), with the first reasons."""
+
+    kind: ClassVar[str] = "draws"
+    delivered: int
+    undelivered: int
+    reasons: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        total = self.delivered + self.undelivered
+        why = f" (e.g. {self.reasons[0]})" if self.reasons else ""
+        return f"{self.delivered} of {total} drawn case(s) delivered; {self.undelivered} could not be{why}"
+
+
 _recorded: list[Evidence] = []
 _compared: list[Compared] = []      # at most one: the running test's comparisons so far
+_draws: list[Draws] = []            # at most one: the running test's draws so far
 _lock = threading.Lock()            # crash states judge from several threads
 
 
@@ -318,10 +337,21 @@ def compared(steps: int, worst: float | None, tolerance: float, basis: str, exac
             _compared.append(Compared(1, steps, worst, tolerance, basis, exact))
 
 
-def take() -> list[Evidence]:
-    """What the running test recorded so far; clears it."""
+def drawn(delivered: bool, reason: str = "") -> None:
+    """One drawn case was delivered (judged) or not: folded into the test's Draws record."""
     with _lock:
-        out = list(_recorded) + list(_compared)
+        seen = _draws.pop() if _draws else Draws(0, 0)
+        reasons = seen.reasons if delivered or len(seen.reasons) >= 3 or reason in seen.reasons else \
+            (*seen.reasons, reason)
+        _draws.append(Draws(seen.delivered + delivered, seen.undelivered + (not delivered), reasons))
+
+
+def take() -> list[Evidence]:
+    """What the running test recorded so far; clears it. Draws are reported only where some
+    could not be delivered."""
+    with _lock:
+        out = list(_recorded) + list(_compared) + [d for d in _draws if d.undelivered]
         _recorded.clear()
         _compared.clear()
+        _draws.clear()
     return out

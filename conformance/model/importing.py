@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,6 +62,9 @@ def why_not_importable(module_name: str, exc: ImportError, search: tuple[str, ..
     missing = getattr(exc, "name", None) or ""
     parts = module_name.split(".")
     prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    if not missing and not isinstance(exc, ModuleNotFoundError):   # the module raised it: it names what it needs
+        return (f"cannot import {module_name!r}: it exists, but importing it failed: {exc}",
+                f"install what it names in this environment, or fix that import in {module_name}")
     if missing and missing not in prefixes:
         return (f"cannot import {module_name!r}: it exists, but importing it failed: {exc}",
                 f"install {missing.split('.')[0]!r} in this environment, or fix that import in {module_name}")
@@ -75,3 +79,48 @@ def why_not_importable(module_name: str, exc: ImportError, search: tuple[str, ..
                 + (f"; or spell it {near[0]!r}" if near else ""))
     return (f"cannot import {module_name!r}: {parent!r} has no module {parts[depth]!r}{suggestion}",
             f"check the spelling of {parts[depth]!r}" + (f": {'.'.join([*parts[:depth], near[0]])}" if near else ""))
+
+
+_FIND = ("import importlib.util, sys\n"
+         "try:\n    found = importlib.util.find_spec(sys.argv[1])\nexcept Exception as exc:\n"
+         "    print(f'{type(exc).__name__}: {exc}'); sys.exit(3)\n"
+         "sys.exit(0 if found is not None else 3)\n")
+
+
+def python_target_problem(argv: tuple[str, ...], interpreter: str, search: tuple[str, ...]) -> tuple[str, str] | None:
+    """(cause, fix) when a trainer command is a Python interpreter given a module (`-m mod`) or a
+    script that it cannot find, asked of that interpreter (it may be another environment's) with
+    the trainer's own search path; None otherwise, or for anything else."""
+    if not Path(argv[0]).name.startswith("python") or len(argv) < 2:
+        return None
+    if argv[1] == "-m" and len(argv) > 2:
+        module = argv[2]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*search, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        proc = subprocess.run([interpreter, "-c", _FIND, module], capture_output=True, text=True, env=env, timeout=120)
+        if proc.returncode == 0:
+            return None
+        added = [d for d in search if d not in sys.path]
+        sys.path[:0] = added
+        try:
+            here = _find(module)
+            if here is None:   # a misspelling or the wrong directory: the nearest names are the same files
+                cause, fix = why_not_importable(module, ModuleNotFoundError(module, name=_missing(module)), search)
+                return f"{cause} ({interpreter})", fix
+        finally:
+            for d in added:
+                sys.path.remove(d)
+        return (f"{interpreter} cannot import {module!r}, although the suite's own environment can "
+                f"({proc.stdout.strip() or 'no such module'})", f"install it for {interpreter} as well")
+    if not argv[1].startswith("-") and argv[1].endswith(".py") and not os.path.isfile(argv[1]):
+        return (f"the script {argv[1]!r} does not exist (in {os.getcwd()})",
+                "run pytest from the directory the command's paths are relative to, or give the script's full path")
+    return None
+
+
+def _missing(module: str) -> str:
+    """The first prefix of a dotted module name that cannot be found."""
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        if _find(".".join(parts[:i])) is None:
+            return ".".join(parts[:i])
+    return module

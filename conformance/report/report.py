@@ -15,7 +15,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..model.evidence import Determinism, Evidence, RunnerDisagreement, Trial
+from ..model.evidence import Determinism, Draws, Evidence, RunnerDisagreement, Trial
 from ..model.settings import VERSION
 
 REPORT_SCHEMA = "conformance-report/2"
@@ -138,12 +138,14 @@ class Report:
     @property
     def warnings(self) -> list[str]:
         """Findings that fail no check: retention whose outcome differs between two uninterrupted
-        runs (each, once)."""
+        runs (each, once); a check judged on fewer drawn cases than it could not deliver."""
         return list(dict.fromkeys(
             f"retention's outcome varies between two uninterrupted runs ({e.spec}): {e.retention_varies}. Which "
             "checkpoints survive depends on timing (a deletion racing a save in flight), so a restart may find fewer "
             "than the retention policy promises" for c in self.cases for e in c.evidence
-            if isinstance(e, Determinism) and e.retention_varies))
+            if isinstance(e, Determinism) and e.retention_varies)) \
+            + [f"`{c.check}` {c.outcome} on {e.summary()}" for c in self.cases for e in c.evidence
+               if isinstance(e, Draws) and e.undelivered > e.delivered]
 
     def levels(self):
         from .levels import assess

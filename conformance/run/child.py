@@ -2,62 +2,14 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import json
 import os
 import runpy
 import signal
 import sys
 import threading
-from pathlib import Path
 
 from conformance.model.adapters import load_object
-from conformance.model.digest import state_digest
-from conformance.model.process import loss_record
-
-
-@dataclasses.dataclass
-class RunContext:
-    """The command contract's five values, plus a loss logger that follows the contract."""
-
-    ckpt_dir: Path
-    total_steps: int
-    save_every: int
-    seed: int
-    loss_log: Path
-
-    def __post_init__(self):
-        self._log = None
-        self._restored: dict[str, str] | None = None
-
-    @classmethod
-    def from_env(cls) -> RunContext:
-        e = os.environ
-        return cls(Path(e["CONFORMANCE_CKPT_DIR"]), int(e["CONFORMANCE_TOTAL_STEPS"]),
-                   int(e["CONFORMANCE_SAVE_EVERY"]), int(e["CONFORMANCE_SEED"]),
-                   Path(e["CONFORMANCE_LOSS_LOG"]))
-
-    def log_step(self, step: int, loss: float, state: dict[str, str] | None = None) -> None:
-        """Append and flush `{"step": s, "loss": x}` before returning; with `state` (digests of the
-        state after the step: ctx.state_digest(...)) as its "state"."""
-        restored, self._restored = self._restored, None
-        self._write(loss_record(step, loss, state=state, restored=restored))
-
-    def log_resumed(self, step: int, state: dict[str, str]) -> None:
-        """After restoring step `step`, right before training step + 1: the state's digests (sent
-        with step + 1's line, one line per step)."""
-        self._restored = dict(state)
-
-    @staticmethod
-    def state_digest(**components) -> dict[str, str]:
-        """conformance.contract.state_digest: `{name: digest}` of model, optimizer, rng=True, ..."""
-        return state_digest(**components)
-
-    def _write(self, record: dict) -> None:
-        if self._log is None:
-            self._log = open(self.loss_log, "a", buffering=1)
-        self._log.write(json.dumps(record) + "\n")
-        self._log.flush()
+from conformance.model.context import RunContext
 
 
 def main(argv: list[str]) -> int:

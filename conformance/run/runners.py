@@ -103,7 +103,7 @@ def finish(rc: int, err: str, spec: RunSpec, loss_log: Path, tracing: Tracing | 
 
 # Native crashes: what an interpreter's teardown hits (torch's gloo process group is freed then, and
 # its worker threads can abort the process: std::terminate), not a signal the suite or a scheduler sends.
-CRASH_SIGNALS = {signal.SIGABRT: "SIGABRT", signal.SIGSEGV: "SIGSEGV", signal.SIGBUS: "SIGBUS"}
+CRASH_SIGNALS = {getattr(signal, name): name for name in ("SIGABRT", "SIGSEGV", "SIGBUS") if hasattr(signal, name)}
 _TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 

@@ -31,8 +31,11 @@ from .child import exit_like_interpreter
 ZYGOTE_COMM = "rank-zygote"
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 # What the zygote sends a proxy once its rank's status is on the proxy's socket.
-STATUS_READY = signal.SIGRTMIN + 1
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# Linux's own signals: looked up where they exist, so that the plugin imports on any system (and
+# says there, as a usage error, that the suite runs on Linux only).
+STATUS_READY = signal.SIGRTMIN + 1 if hasattr(signal, "SIGRTMIN") else None
+FORWARDED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+                  if hasattr(signal, name))
 
 
 def _prctl(option: int, arg) -> None:
