@@ -32,20 +32,25 @@ class CheckpointInfo:
 
     @property
     def layout(self) -> str:
-        return names.layout_of(self.path.name)
+        return kinds.of(self.path).name
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
-    """Every step-named entry (committed or not), oldest first by step number."""
+def list_checkpoints(directory: str | os.PathLike, *, layout: str | None = None) -> list[CheckpointInfo]:
+    """Every step-named entry (committed or not), oldest first by step number; of one `layout`
+    only, if given. The one listing of a directory's checkpoints, the multi-rank managers' too: an
+    entry counts only if it is what its layout (`kinds.of`) stores, a directory itself (not a link
+    to one) or a file, and two names of one step (`step-5`, `step-00000005`) are both listed."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
+    only = None if layout is None else kinds.named(layout).name
     found = []
     for entry in os.scandir(directory):
         parsed = names.parse(entry.name)
         if parsed is None or is_temp_name(entry.name):
             continue
-        if kinds.named(parsed[1]).is_directory != entry.is_dir(follow_symlinks=False):
+        kind = kinds.of(entry.name)
+        if kind.is_directory != entry.is_dir(follow_symlinks=False) or only not in (None, kind.name):
             continue
         found.append(CheckpointInfo(parsed[0], Path(entry.path)))
     return sorted(found, key=lambda c: (c.step, c.path.name))

@@ -9,9 +9,10 @@ from typing import Any
 
 from .chain.codec import Compression
 from .chain.read import STRATEGIES
+from .layouts import kinds
 from .layouts.sharded import GroupBy
 from .loop import triggers
-from .names import LAYOUTS
+from .retention import check_keep_last
 
 
 def _positive_int(name: str, value: Any, meaning: str) -> None:
@@ -49,16 +50,14 @@ class ManagerConfig:
         chained = self.strategy is not None or self.compression is not None
         if self.layout is None:
             object.__setattr__(self, "layout", "chain" if chained else "sharded")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be 'sharded', 'file' or 'chain', got {self.layout!r}")
+        kinds.named(self.layout)   # refuses a name that is no layout
         if chained and self.layout != "chain":
             raise ValueError(f"strategy and compression need the chained layout, not layout={self.layout!r}")
         if isinstance(self.compression, bool) or not isinstance(self.compression, (int, Compression, type(None))):
             raise ValueError(f"compression must be a zstd level (int) or a Compression, got {self.compression!r}")
         if isinstance(self.compression, int):
             object.__setattr__(self, "compression", Compression(level=self.compression))
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError("keep_last must be >= 1: retention never leaves zero checkpoints")
+        check_keep_last(self.keep_last)
         if self.best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
         _positive_int("keep_hot", self.keep_hot, "checkpoints kept on local disk")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import io
 import json
 import os
 import shutil
@@ -43,11 +42,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from . import names
-from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError, write_error
-from .manager import CheckpointSkippedWarning
+from .catalog import CheckpointSkippedWarning, list_checkpoints
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, write_error
+from .multirank.staging import fresh_staging, sweep_staging
 from .primitives.atomic import atomic_write_bytes, fsync_dir
+from .primitives.encoding import torch_bytes
 from .primitives.integrity import sha256_file
-from .retention import Candidate, keep_set
+from .primitives.loading import safe_torch_load
+from .retention import Candidate, check_keep_last, keep_set
 from .rng import capture_rng, restore_rng
 
 MANIFEST = "manifest.json"
@@ -80,17 +82,12 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _torch_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+_torch_bytes = torch_bytes   # the name fixtures/broken/ import
 
 
 def _load_safe(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:   # weights_only refusals are UnpicklingError; torn files RuntimeError
-        raise UnsafeCheckpointError(path, f"cannot be loaded with weights_only=True: {exc}") from exc
+    """One of this manager's own files (`rank{r}.pt`, `shared.pt`), verified, loaded onto the CPU."""
+    return safe_torch_load(path, map_location="cpu")
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -127,12 +124,8 @@ def verify_files(directory: Path, manifest: dict[str, Any], files: list[str]) ->
 
 
 def committed_steps(directory: Path) -> list[tuple[int, Path]]:
-    """Committed-looking checkpoints (`step-N` directories), newest first, by step number."""
-    if not directory.is_dir():
-        return []
-    found = [(parsed[0], Path(e.path)) for e in os.scandir(directory)
-             if (parsed := names.parse(e.name)) and parsed[1] == "sharded" and e.is_dir(follow_symlinks=False)]
-    return sorted(found, reverse=True)
+    """Committed-looking checkpoints (`step-N` directories, as the catalog lists them), newest first."""
+    return [(info.step, info.path) for info in reversed(list_checkpoints(directory, layout="sharded"))]
 
 
 @dataclasses.dataclass
@@ -155,8 +148,7 @@ class DistributedCheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 2,
                  timeout: datetime.timedelta = datetime.timedelta(seconds=120), async_save: bool = False):
-        if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last must be at least 1: retention never leaves zero checkpoints")
+        check_keep_last(keep_last)
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.timeout = timeout
@@ -261,20 +253,8 @@ class DistributedCheckpointManager:
 
     def _prepare(self, staging: Path) -> None:
         if self.rank == 0:
-            if staging.exists():
-                shutil.rmtree(staging)     # left by a job that died mid-save
-            staging.mkdir(parents=True)
+            fresh_staging(staging)
         self._barrier()
-
-    def _remove_staging(self, older_than: int | None = None) -> list[Path]:
-        """Rank 0: remove staging directories (of steps before `older_than`, or all)."""
-        removed = []
-        for entry in os.scandir(self.directory):
-            step = names.staging_step(entry.name)
-            if step is not None and (older_than is None or step < older_than):
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(Path(entry.path))
-        return removed
 
     def _write(self, staging: Path, model, optimizer, shared, rank_state) -> list[str]:
         """This rank's files in the staging directory, each fsynced: its DCP shard (DCP plans and
@@ -290,9 +270,9 @@ class DistributedCheckpointManager:
     def _write_own(self, staging: Path, shared, rank_state) -> list[str]:
         """`rank{r}.pt` (this rank's state and RNGs) and on rank 0 `shared.pt`; `.metadata` is
         rank 0's to list (DCP writes it)."""
-        files = {f"rank{self.rank}.pt": _torch_bytes({"rank_state": rank_state or {}, "rng": capture_rng()})}
+        files = {f"rank{self.rank}.pt": torch_bytes({"rank_state": rank_state or {}, "rng": capture_rng()})}
         if self.rank == 0:
-            files["shared.pt"] = _torch_bytes(shared or {})
+            files["shared.pt"] = torch_bytes(shared or {})
         try:
             for name, data in files.items():
                 atomic_write_bytes(staging / name, data, sync_dir=False)
@@ -341,7 +321,7 @@ class DistributedCheckpointManager:
             if path.name not in keep:
                 self._remove(path)
                 removed.append(path)
-        removed += self._remove_staging(older_than=names.step_of(just_saved.name))
+        removed += sweep_staging(self.directory, older_than=names.step_of(just_saved.name))
         if removed:
             fsync_dir(self.directory)
         return removed

@@ -30,14 +30,13 @@ def staging_name(step: int) -> str:
 def parse(name: str) -> tuple[int, str] | None:
     """(step, layout) of a checkpoint name this library writes, or None for any other name."""
     m = _NAME_RE.match(name)
-    if m is None:
-        return None
-    ext = m.group("ext") or ""
-    return int(m.group("step")), next(layout for layout, suffix in _SUFFIX_OF.items() if suffix == ext)
+    return None if m is None else (int(m.group("step")), layout_of(name))
 
 
 def layout_of(name: str) -> str:
-    """The layout a checkpoint's name says (a name without a suffix is a sharded directory)."""
+    """The layout a checkpoint's name says, by its suffix: the one rule, which `parse` uses too (a
+    name without a suffix is a sharded directory). A path is mapped to its layout by
+    `layouts.kinds.of`, which asks this."""
     return next((layout for layout, suffix in _SUFFIX_OF.items() if suffix and name.endswith(suffix)), "sharded")
 
 

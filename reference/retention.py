@@ -69,6 +69,14 @@ def committed(infos: Iterable[CheckpointInfo]) -> tuple[dict[str, Held], list[Ch
     return held, invalid
 
 
+def check_keep_last(keep_last: Any) -> None:
+    """The one rule for a `keep_last` setting, for every manager: None (keep everything) or an
+    integer >= 1 (a bool is not one); a ValueError naming what was given otherwise."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be None or an integer >= 1 (retention never leaves zero checkpoints), "
+                         f"got {keep_last!r}")
+
+
 def keep_set(candidates: Iterable[Candidate], *, keep_last: int | None, keep_best: int | None,
              best_mode: str = "min", anchor: str | None = None, protect_steps: set[int] = frozenset()) -> set[str]:
     """Names to keep among `candidates` (committed checkpoints). With neither keep_last nor

@@ -1,6 +1,12 @@
 """Meta-tests of how the suite is put together: the subpackages are layers and imports run one way,
-no import cycle, at most 12 modules directly in a package, the suite reaches fixtures only through
-adapter strings, no module grows past 400 lines, and the docs' tables are generated from the code."""
+each subpackage imports only the layers it uses (USES), pytest is the plugin layer's alone, the
+bundled trainers and the reference library use the suite only where they must, no import cycle, at
+most 12 modules directly in a package, the suite reaches fixtures only through adapter strings,
+and the docs' tables are generated from the code.
+
+What a module must not mix is checked here as imports, not as a line count: a module that
+needs a layer its package does not use is in the wrong package (or the layer's boundary moved,
+and USES says so in one reviewed line)."""
 from __future__ import annotations
 
 import ast
@@ -100,11 +106,78 @@ def test_the_suite_reaches_fixtures_and_reference_only_through_adapter_strings(p
         assert not bad, f"{path.relative_to(REPO)} imports {bad}"
 
 
-@pytest.mark.parametrize("package", ["conformance", "reference", "fixtures"])
-def test_no_module_over_400_lines(package):
-    long = {str(p.relative_to(REPO)): n for p, _ in _modules(package)
-            if (n := len(p.read_text().splitlines())) > 400}
-    assert not long, long
+# The layers each subpackage of conformance may import besides its own: narrower than "every layer
+# below" (test_imports_run_one_way), and each narrowing is a boundary of the design.
+USES = {
+    "model": set(),                                   # the vocabulary: imports nothing of the suite
+    "trace": {"model"},                               # reading a trace starts no process
+    "run": {"model", "trace"},                        # runners know no fault plan and no check
+    "offline": {"model", "trace"},                    # states rebuilt from a recording alone: never runs a trainer
+    "faults": {"model", "trace", "run", "offline"},
+    "checks": {"model", "trace", "run", "offline", "faults"},
+    "report": {"model", "trace", "run", "checks"},    # renders outcomes: plans no fault, builds no state
+    "cli": {"model", "report"},                       # runs the suite through pytest, never a check directly
+    "bench": {"model", "trace", "run", "offline", "faults", "checks", "report"},   # measures any layer; not cli
+    "": None,                                         # the plugin and the command line: any layer
+}
+
+
+def test_uses_names_every_layer_and_only_layers_below():
+    from conformance import LAYERS
+    index = {name: i for i, names in enumerate(LAYERS) for name in names}
+    assert set(USES) == set(index), sorted(set(USES) ^ set(index))
+    upward = {layer: sorted(u for u in uses if index[u] >= index[layer]) for layer, uses in USES.items() if uses}
+    assert not any(upward.values()), f"USES lets a layer use its own level or one above: {upward}"
+
+
+def test_a_subpackage_imports_only_the_layers_it_uses():
+    """Two sibling layers (cli, bench) never import each other, offline never starts a trainer,
+    report never reaches into faults or offline, and so on: see USES. Deferred imports count."""
+    stray = [f"{m} ({_layer(m)}) imports {d} ({_layer(d)})"
+             for m, deps in sorted(_graph("conformance").items()) if USES[_layer(m)] is not None
+             for d in sorted(deps) if _layer(d) not in USES[_layer(m)] | {_layer(m)}]
+    assert not stray, stray
+
+
+def _absolute_imports(tree) -> list[str]:
+    """Every module `tree` imports by its absolute name when it runs (deferred imports too)."""
+    names = []
+    for node in _runtime_nodes(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def test_pytest_is_the_plugin_layers_and_hypothesis_stays_above_the_machinery():
+    """pytest is imported only by the modules directly in conformance/ (the plugin, the suite class,
+    the options): every subpackage also runs outside pytest (replay, soak, bench, a fork server's
+    child). Hypothesis draws crash points; trace, run and offline run and rebuild what a drawn
+    point names and never draw one themselves."""
+    mixed = []
+    for path, tree in _modules("conformance"):
+        layer, imported = _layer(_dotted(path)), {name.split(".")[0] for name in _absolute_imports(tree)}
+        if layer and imported & {"pytest", "_pytest"}:
+            mixed.append(f"{path.relative_to(REPO)} imports pytest")
+        if layer in ("trace", "run", "offline") and "hypothesis" in imported:
+            mixed.append(f"{path.relative_to(REPO)} imports hypothesis")
+    assert not mixed, mixed
+
+
+@pytest.mark.parametrize("package", ["fixtures", "reference"])
+def test_the_bundled_trainers_and_the_reference_library_use_the_suite_only_where_they_must(package):
+    """A bundled trainer is what a team writes: it may use the suite's vocabulary (conformance.model:
+    TrainerAdapter, the loss record) and its public contract (conformance, conformance.contract),
+    never its machinery. The reference library stands alone: only its benchmark, a development
+    tool, writes its section of docs/benchmarks.md with the suite's section writer."""
+    def allowed(path: Path, module: str) -> bool:
+        if package == "fixtures":
+            return module in ("conformance", "conformance.contract") or module.startswith("conformance.model.")
+        return path.is_relative_to(REPO / "reference" / "bench") and module == "conformance.report.readme"
+    stray = [f"{path.relative_to(REPO)} imports {module}" for path, tree in _modules(package)
+             for module in _absolute_imports(tree) if module.split(".")[0] == "conformance" and not allowed(path, module)]
+    assert not stray, stray
 
 
 def test_readme_checks_table_is_the_registry():

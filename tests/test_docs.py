@@ -174,9 +174,130 @@ def test_every_documented_command_runs(workspace, page, command):
     exercise(command, workspace)
 
 
-def test_the_docs_have_commands_and_the_readme_is_short():
+def test_the_docs_have_commands():
     assert len(commands()) >= 10
-    assert len((REPO / "README.md").read_text().splitlines()) <= 220
+
+
+README = REPO / "README.md"
+# What the README is for, in its order: the rest of it (the checks, CI, the reference library) may grow.
+README_SECTIONS = ("The two commands", "Test your own trainer", "Reading a failure", "The command contract")
+
+
+def sections(page: Path) -> dict[str, str]:
+    """A page's `## ` sections: heading -> its text up to the next `## ` heading (fenced blocks kept whole)."""
+    out: dict[str, str] = {}
+    heading, fenced = None, False
+    for line in page.read_text().splitlines(keepends=True):
+        fenced ^= line.startswith("```")
+        if line.startswith("## ") and not fenced:
+            heading = line[3:].strip()
+            out[heading] = ""
+        elif heading is not None:
+            out[heading] += line
+    return out
+
+
+def section_blocks(text: str, language: str) -> list[str]:
+    return [body for lang, body in BLOCK_RE.findall(text) if lang == language]
+
+
+def test_the_readme_has_its_sections_in_order():
+    headings = list(sections(README))
+    assert [h for h in headings if h in README_SECTIONS] == list(README_SECTIONS), headings
+
+
+def test_the_two_commands_are_the_suites_and_the_projects_own():
+    """The first runs the suite from a clone, as the neighbours test runs it; the second is the test
+    command CI runs (.ci/run)."""
+    from tests.test_conformance_citizen import README_FIRST
+    first, own = [body.replace("\\\n", " ") for body in section_blocks(sections(README)["The two commands"], "bash")]
+    assert first.startswith("git clone ") and "pip install -e " in first, first
+    assert " ".join(README_FIRST[1:]) in " ".join(first.split()), first   # README_FIRST: ["-m", "pytest", ...]
+    assert own.strip() in (REPO / ".ci" / "run").read_text().splitlines(), f"{own.strip()!r} is not what .ci/run runs"
+
+
+def test_test_your_own_trainer_shows_an_adapter_and_a_command_for_each_kind_of_trainer():
+    text = sections(README)["Test your own trainer"]
+    assert any("conformance_adapter.py" in b and "def run(self, ctx" in b for b in section_blocks(text, "python"))
+    runs = " ".join(section_blocks(text, "bash"))
+    assert "--adapter=mytrain.conformance_adapter:ADAPTER" in runs and "--trainer-cmd=" in runs, runs
+
+
+def test_reading_a_failure_shows_a_failure_of_a_real_check_and_its_replay_line():
+    from conformance.checks.registry import all_check_ids
+    shown = section_blocks(sections(README)["Reading a failure"], "text")
+    assert len(shown) == 1, shown
+    check = re.match(r"\[(\w+)\]", shown[0]).group(1)
+    assert check in all_check_ids(), check
+    replay = next(line.split("replay:", 1)[1].strip() for line in shown[0].splitlines() if "replay:" in line)
+    argv = shlex.split(replay)
+    assert argv[:4] == ["python", "-m", "conformance", "replay"], replay
+    assert _parser_of("conformance").parse_args(argv[3:]).check == check, f"{replay!r} does not replay {check}"
+
+
+def test_the_command_contract_table_is_what_a_trainer_is_given():
+    """Every variable the table names is one RunContext.from_env reads, and every one it cannot do
+    without (read as e["..."], not as optional) is in the table."""
+    import inspect
+
+    from conformance import RunContext
+    table = {m for m in re.findall(r"^\| `(CONFORMANCE_\w+)` \|", sections(README)["The command contract"], re.MULTILINE)}
+    source = inspect.getsource(RunContext.from_env)
+    assert table <= set(re.findall(r"CONFORMANCE_\w+", source)), sorted(table - set(re.findall(r"CONFORMANCE_\w+", source)))
+    required = set(re.findall(r'e\["(CONFORMANCE_\w+)"\]', source))
+    assert required and required <= table, sorted(required - table)
+
+
+def test_no_readme_line_over_200_characters():
+    """Prose and hand-written tables wrap, and so do commands (a `\\` continuation, which commands()
+    joins). Exempt: ```text blocks, which show output as it is printed, and the checks table, which
+    conformance/checks/registry.py generates from each check's summary."""
+    from conformance.checks.registry import TABLE_MARKER
+    from conformance.report.readme import table_after
+    generated = set(table_after(README, TABLE_MARKER).splitlines())
+    long, fence = [], None
+    for n, line in enumerate(README.read_text().splitlines()):
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+            continue
+        if len(line) > 200 and fence != "text" and line not in generated:
+            long.append(f"README.md:{n + 1} ({len(line)} characters): {line[:60]}...")
+    assert not long, long
+
+
+def test_every_link_to_a_heading_of_the_docs_finds_it():
+    """A fact moved to another page is reached by its link, so the link must land."""
+    def slug(heading: str) -> str:
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    def anchors(page: Path) -> set[str]:
+        fenced, out = False, set()
+        for line in page.read_text().splitlines():
+            fenced ^= line.startswith("```")
+            if line.startswith("#") and not fenced:
+                out.add(slug(line.lstrip("#")))
+        return out
+    broken = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)\s#]*)#([^)\s]+)\)", page.read_text()):
+            linked = (page.parent / target) if target else page
+            if not linked.is_file() or anchor not in anchors(linked):
+                broken.append(f"{page.name}: {target}#{anchor}")
+    assert not broken, broken
+
+
+def test_the_bench_commands_leave_the_hand_measured_section_alone(tmp_path):
+    """docs/benchmarks.md's "Measured by hand" section is not any command's: each `--update-readme`
+    replaces what follows its marker up to the next heading, so the section must survive both."""
+    from conformance.report.readme import replace_section
+    page = tmp_path / "benchmarks.md"
+    page.write_text((REPO / "docs" / "benchmarks.md").read_text())
+    hand = sections(page)["Measured by hand (not regenerated)"]
+    markers = re.findall(r"^<!-- [\w-]+-bench -->$", page.read_text(), re.MULTILINE)
+    assert len(markers) == 2, markers
+    for marker in markers:
+        replace_section(page, marker, "| regenerated |")
+    assert sections(page)["Measured by hand (not regenerated)"] == hand
 
 
 def test_the_broken_trainer_table_is_the_catalogue():

@@ -89,6 +89,9 @@ def _assert_verdicts(library: str, expected: dict, verdicts: dict, out: str) -> 
             first_line = message.strip().splitlines()[0] if message.strip() else ""
             assert f"[{check}" in message, f"{name} failed without its check id (not judged): {first_line}"
     got = {name.removeprefix("test_"): outcome for name, (outcome, _) in verdicts.items()}
+    # An expected set: the recorded finding shows only where the trainer's own timing lets it.
+    got = {name: expected[name] if isinstance(expected.get(name), frozenset) and outcome in expected[name] else outcome
+           for name, outcome in got.items()}
     details = "\n\n".join(f"{name}: {message[:1500]}" for name, (outcome, message) in verdicts.items()
                           if outcome != "passed")
     assert got == expected, f"{library}: verdicts changed\n{details}\n{out[-2000:]}"

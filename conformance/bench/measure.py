@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..checks.states import state_workers
 from ..model.settings import TOTAL_STEPS
 from ..report.readme import replace_section
 from .ab import ab, format_ab, interleaved_trials, median_time, spread
@@ -287,11 +288,10 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
                             "bare_4_rank_pair": bare_all, "multinode_trial": nodes_all},
             "crash_states": n_states, "crash_states_seconds": states_s,
             "power_loss_states": n_power, "power_loss_seconds": power_s,
-            "state_workers": int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1),
+            "state_workers": state_workers(),
             "ci": ci, "repeats": repeats, "fresh_repeats": fresh_repeats,
             "load_avg_before_after": [round(load_before, 2), round(load_after, 2)],
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                        "torch": _torch_version()},
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version()},
         },
     }
     result["targets_met"] = {k: _met(k, result[k]) for k in TARGETS}

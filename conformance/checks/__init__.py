@@ -26,7 +26,8 @@ node_loss has two cases: a cold tier (tiers.py) and node-local storage in a job 
 comparisons and plots), tolerance.py (how exact a comparison is, learned from the trainer's noise),
 digests.py (state digests compared component by component), diagnosis.py (the likely cause of a
 resume that differs), registry.py
-(every check's id, capabilities, level and how its cases are drawn).
+(every check's id, capabilities, level, how its cases are drawn and the functions that decide it;
+Check.decided_in names their modules, and a test keeps the table above to it).
 """
 from .registry import BY_ID, CHECKS, Check, all_check_ids, skip_reason, split_id  # noqa: F401
 from .session import Session  # noqa: F401

@@ -7,6 +7,7 @@ from ..faults.injection import FaultOutcome, run_fault
 from ..model import evidence
 from ..model.crash import CrashPoint, Schedule, format_schedule
 from ..model.process import RunSpec, copy_checkpoint_dir
+from ..offline.crash_states import save_files, save_paths, with_stand_in_bytes
 from ..run.runners import Stop
 from ..run.watchdog import grace_expired
 from ..trace.recording import RecordedRun
@@ -40,17 +41,12 @@ def plot_mismatch(session: Session, check: str, spec: RunSpec, *, schedule: Sche
 
 
 def newest_checkpoint_files(prefix: RecordedRun, stop: int) -> list[Path]:
-    """Regular files that the save of step `stop` wrote and that still exist after the run."""
-    files: dict[str, None] = {}
-    for i in prefix.windows().get(stop, []):
-        op = prefix.ops[i]
-        if op.kind == "rename":
-            # A renamed directory (e.g. a temp dir committed as `ckpt-<step>`) carries its files.
-            src, dst = op.path, op.target
-            files = {(dst + p[len(src):] if p == src or p.startswith(src + "/") else p): None for p in files}
-        if op.kind in ("write", "rename", "create", "link"):
-            files[op.target if op.kind in ("rename", "link") else op.path] = None
-    paths = [prefix.ckpt_dir / p for p in files if not p.startswith("/")]
+    """Regular files of the checkpoint of step `stop` (crash_states.save_files, asked of the prefix
+    run recorded for paths only) that still exist after the run, in the order its save first put
+    them (crash_states.save_paths)."""
+    files = save_files(with_stand_in_bytes(prefix)).get(stop, {})
+    order = {p: i for i, p in enumerate(save_paths(prefix).get(stop, ()))}
+    paths = [prefix.ckpt_dir / p for p in sorted(files, key=lambda p: order.get(p, len(order)))]
     return [p for p in paths if p.is_file() and not p.is_symlink()]
 
 

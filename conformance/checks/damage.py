@@ -17,8 +17,8 @@ from pathlib import Path
 from ..faults.corrupt import corrupt
 from ..model import evidence
 from ..model.process import ProcessResult, RunSpec
-from ..offline.crash_states import Replayer, save_files
-from ..trace.recording import Op, RecordedRun
+from ..offline.crash_states import Replayer, save_files, with_stand_in_bytes
+from ..trace.recording import RecordedRun
 from .common import copy_prefix, plot_mismatch, resumed_from
 from .failures import format_mismatches, loss_mismatches, max_abs_diff
 from .fixes import POINTER_DELETED, CauseFix
@@ -57,11 +57,8 @@ def saves_held(run: RecordedRun) -> dict[int, frozenset[str]]:
     the same name (Lightning's `last.ckpt`) is the newest save's, and an older save is held by its
     other files.
 
-    The run need not be recorded with data: a write whose bytes the trace cut short (and a copy,
-    whose bytes come from elsewhere) is replayed with stand-in bytes of its own, unique to the
-    operation, so a file ends holding its save's bytes exactly when nothing after the save changed
-    it."""
-    stand_in = dataclasses.replace(run, ops=tuple(_with_stand_in_bytes(op) for op in run.ops))
+    The run need not be recorded with data (crash_states.with_stand_in_bytes)."""
+    stand_in = with_stand_in_bytes(run)
     finals = save_files(stand_in)
     end = Replayer()
     for op in stand_in.ops:
@@ -74,13 +71,6 @@ def saves_held(run: RecordedRun) -> dict[int, frozenset[str]]:
         if own and all(end.files.get(p) == data for p, data in own.items()):
             held[s] = frozenset(own)
     return held
-
-
-def _with_stand_in_bytes(op: Op) -> Op:
-    if op.kind == "copy" or (op.kind == "write" and op.data is None):
-        return dataclasses.replace(op, kind="write", data=b"\0stand-in for op #%d\0" % op.index,
-                                   offset=op.offset if op.kind == "write" else None, target="", length=0)
-    return op
 
 
 def longest_restore_path(session: Session, spec: RunSpec) -> int:

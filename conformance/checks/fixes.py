@@ -66,7 +66,7 @@ FIXES = {
         "upload a checkpoint to the cold tier completely, verify it, then write its commit marker last; on a start "
         "with an empty local directory, resume from the newest committed checkpoint in the cold tier. With "
         "node-local storage: before the commit, copy each node's part to another node (a replica) or to shared "
-        "storage, and on a start restore every rank from whichever copy survives (reference.layouts.replicated)",
+        "storage, and on a start restore every rank from whichever copy survives (reference.multirank.replicated)",
     "branch_resume":
         "resume from CONFORMANCE_RESUME_FROM into a new branch: write the new checkpoints beside the old line, "
         "never over it, and let retention keep what another branch needs",

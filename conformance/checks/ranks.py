@@ -7,11 +7,13 @@ whose RNG or data position was not restored is named even when rank 0 is fine.
 """
 from __future__ import annotations
 
+from ..faults.delivery import CrashNotLanded, choose_route
+from ..faults.scenario import plan, what_is_there
 from ..model import evidence
 from ..model.crash import CrashPoint
 from ..model.process import RunSpec, rank_log
 from ..run.runners import Tracing
-from ..trace import strace
+from ..trace import recording
 from .failures import describe_ranks, format_mismatches, loss_mismatches, max_abs_diff, rank_mismatches, stderr_tail
 from .schedules import describe_crashes, trial
 from .schedules import fail_trial as _fail_trial
@@ -98,15 +100,20 @@ def reshard(session: Session, check: str, spec: RunSpec, direction: str, _case) 
     ckpt = workdir / "ckpt"
     ckpt.mkdir()
     first_spec = spec.but(world_size=saved_w, torchrun=True, nnodes=spec.nnodes if saved_w > 1 else 1)
-    # Rank 0 killed (by strace, exactly) as it logs the step after `done`: one step after the
-    # baseline had the save of `step` committed on every rank (at once for a save done before the
-    # next step is logged; later for one in flight across steps: learned from the recording).
+    # Rank 0 killed as it logs the step after `done` (`step:done@r0`): one step after the baseline
+    # had the save of `step` committed on every rank (at once for a save done before the next step
+    # is logged; later for one in flight across steps: learned from the recording). It lands on the
+    # rank's loss log as every step point does (delivery.choose_route), and is proven to below.
     done = next((k for k in range(step, spec.total_steps) if base.committed_by_step(k) >= step), step) + 1
     log = workdir / "first-loss.jsonl"
-    tracing = Tracing.each(first_spec, workdir / "first.strace", lambda f: strace.inject_on_path_argv(
-        f, "write", done + 1, str(rank_log(log, 0, saved_w))), ranks=[0])
+    point, planned = CrashPoint("step", done, rank=0), base.rank_view(0)
+    kill = plan(point, base)
+    if kill is None:
+        raise CrashNotLanded(f"crash point {point} does not exist in the uninterrupted run ({what_is_there(base, point)})")
+    route = choose_route(kill, planned, frozenset(), ckpt, rank_log(log, 0, saved_w), job=True)
+    tracing = Tracing.each(first_spec, workdir / "first.strace", lambda f: route.argv(f, kill), ranks=[0])
     first = session.runner.run_process(session.adapter, first_spec, ckpt, log, tracing=tracing)
-    first.traces = {}
+    landed = recording.from_result(first, first_spec, ckpt.resolve(), log.resolve()).rank_view(0)
     how = f"saved by {saved_w} rank(s) at step {step}, resumed by {resumed_w}"
     # Another world size sums the global batch in another order: the noise two runs of one shape
     # show says nothing about it, so these comparisons keep the cap.
@@ -120,6 +127,7 @@ def reshard(session: Session, check: str, spec: RunSpec, direction: str, _case) 
                            f"{first.returncode})",
                            details=("  first differing steps:\n" + format_mismatches(rows)) if rows else
                            "  stderr:\n" + stderr_tail(first.stderr))
+    route.check(kill, planned, landed, first)   # CrashNotLanded: the resume below would not say what it seems to
     second_spec = spec.but(world_size=resumed_w, torchrun=True, nnodes=spec.nnodes if resumed_w > 1 else 1)
     second = session.runner.run_process(session.adapter, second_spec, ckpt, workdir / "second-loss.jsonl")
     r = second.resumed_from(spec)

@@ -53,16 +53,31 @@ class CaseOption:
 
 
 @dataclasses.dataclass(frozen=True)
+class ByCase:
+    """A check's `run` that hands each kind of case to a function of its own (the first whose type it is)."""
+
+    deciders: tuple[tuple[type, Callable], ...]
+
+    def __call__(self, session: Session, check_id: str, spec: RunSpec, param: str | None, case: object) -> object:
+        return next(run for kind, run in self.deciders if isinstance(case, kind))(session, check_id, spec, param, case)
+
+
+@dataclasses.dataclass(frozen=True)
 class Check:
     id: str
     summary: str
-    decided_in: str                    # the module that decides it
-    run: Callable                      # run(session, check_id, spec, param, case)
+    run: Callable                      # run(session, check_id, spec, param, case), or a ByCase
     params: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()        # "trace", or adapter capabilities such as "legacy_samples"
     precondition: str = "losses"       # "none", "losses", or "operations" (losses and filesystem ops)
     draw: Callable[[object, str | None], st.SearchStrategy] | None = None   # Hypothesis-drawn cases
     case: CaseOption | None = None
+
+    @property
+    def decided_in(self) -> tuple[str, ...]:
+        """The modules that decide it (paths): its `run` function's, or each of a ByCase's functions'."""
+        runs = [f for _, f in self.run.deciders] if isinstance(self.run, ByCase) else [self.run]
+        return tuple(dict.fromkeys(f"{f.__module__.replace('.', '/')}.py" for f in runs))
 
     def ids(self) -> list[str]:
         return [f"{self.id}[{p}]" for p in self.params] or [self.id]
@@ -108,11 +123,6 @@ _LOST_AT = CaseOption("lost_at", "where the node is lost: N, killed before the N
                       "such as save:6/3@node1", _parse_lost_at, required=True)
 
 
-def _node_loss(session: Session, check: str, spec: RunSpec, param, case) -> None:
-    """The cold-tier case (a number) or the multi-node case (a node point), by what was drawn."""
-    return (tiers.node_loss if isinstance(case, int) else nodes.node_loss)(session, check, spec, param, case)
-
-
 def _node_loss_cases(baseline) -> st.SearchStrategy:
     spec = baseline.spec
     return strategies.node_points(baseline) if spec.node_local and spec.nnodes >= 2 else tiers.kill_points(baseline)
@@ -132,119 +142,116 @@ CHECKS: tuple[Check, ...] = (
           "two uninterrupted runs agree: the same losses and the same filesystem operations (names that "
           "differ between runs, such as random temp names, are learned and allowed); otherwise the resume "
           "checks skip",
-          "conformance/checks/determinism.py", determinism.determinism_precondition, precondition="none"),
+          determinism.determinism_precondition, precondition="none"),
     Check("resume_matches_baseline",
           "after any crash schedule (plain kills, nothing corrupted) the trainer finishes with exit 0 and "
           "every loss it logs matches the uninterrupted run: bit for bit when its two uninterrupted runs are, "
           "else within the tolerance learned from their noise (at most --loss-tol)",
-          "conformance/checks/schedules.py", schedules.resume_matches_baseline, needs=("trace",),
+          schedules.resume_matches_baseline, needs=("trace",),
           precondition="operations", draw=lambda b, _: strategies.schedules(b, max_crashes=2), case=_SCHEDULE),
     Check("no_lost_work",
           "after each crash it resumes from the newest checkpoint committed before the kill, not an older "
           "one or from scratch: killed right after a save (is the newest one found?) or inside a save (is "
           "the previous one kept while the next is written?)",
-          "conformance/checks/schedules.py", schedules.no_lost_work, params=("between_saves", "inside_save"),
+          schedules.no_lost_work, params=("between_saves", "inside_save"),
           needs=("trace",), precondition="operations", draw=_no_lost_work_points, case=_SCHEDULE),
     Check("no_torn_state",
           "after a kill inside a save, the next process resumes from a complete checkpoint (the previous or "
           "the interrupted one) and matches the baseline, or at least a plain resume from that checkpoint",
-          "conformance/checks/schedules.py", schedules.no_torn_state, needs=("trace",), precondition="operations",
+          schedules.no_torn_state, needs=("trace",), precondition="operations",
           draw=lambda b, _: strategies.in_save_points(b).map(lambda p: (p,)), case=_SCHEDULE),
     Check("crash_states",
           "every state a kill can leave during a whole run (before each recorded filesystem operation, and "
           "with each write torn in half), rebuilt offline from one recording: the trainer resumes from the "
           "newest committed checkpoint (or the interrupted one, if complete) and its next step matches",
-          "conformance/checks/states.py", states.crash_states_check, needs=("trace",), case=_STATE),
+          states.crash_states_check, needs=("trace",), case=_STATE),
     Check("power_loss",
           "every state a power cut before a recorded operation leaves, rebuilt offline: `data` keeps only "
           "fsynced bytes (directory operations persist in order), `strict` also rolls back directory entries "
           "whose directory was not fsynced after them; the trainer never loads bad data, never crash-loops "
           "while an intact checkpoint exists, and resumes from at least the newest save that had completed "
           "(the next step was logged)",
-          "conformance/checks/power.py", power.power_loss, params=("data", "strict"), needs=("trace",),
-          case=_STATE),
+          power.power_loss, params=("data", "strict"), needs=("trace",), case=_STATE),
     Check("io_error",
           "a write, fsync, rename or mkdir of a save fails with ENOSPC or EIO: the trainer exits non-zero "
           "naming the error, or goes on training and commits that step's save after all (a retry) before its "
           "next save, never exit 0 without it; it never renames a file into place after its fsync failed "
           "(fsyncgate); the next start resumes from at least the checkpoint committed before the failure and "
           "matches the baseline",
-          "conformance/checks/storage.py", storage.io_error, params=("enospc", "eio"), needs=("trace",),
+          storage.io_error, params=("enospc", "eio"), needs=("trace",),
           precondition="operations", draw=strategies.error_points, case=_POINT),
     Check("preemption",
           "SIGTERM at a step or inside a save, SIGKILL after --grace-seconds: the trainer never exits 0 before "
           "TOTAL_STEPS, and the next start resumes correctly; with capability `preemption_save` it exits within "
           "the grace period and the next start loses no step",
-          "conformance/checks/preemption.py", preemption.preemption, needs=("trace",), precondition="operations",
+          preemption.preemption, needs=("trace",), precondition="operations",
           draw=lambda b, _: strategies.term_points(b), case=_POINT),
     Check("interrupt",
           "Ctrl-C's SIGINT at a step or inside a save (a background save's too; a job's whole process group), "
           "so KeyboardInterrupt runs every handler mid-save: the trainer exits within --grace-seconds and not 0 "
           "before TOTAL_STEPS, and the next start resumes from at least the newest committed checkpoint and "
           "matches (no torn or mixed state committed)",
-          "conformance/checks/interrupt.py", interrupt.interrupt, needs=("trace",), precondition="operations",
+          interrupt.interrupt, needs=("trace",), precondition="operations",
           draw=lambda b, _: strategies.term_points(b), case=_POINT),
     Check("compound_faults",
           "a kill (`kill_then_damage`) or a power cut (`power_then_damage`) inside a save, then the newest "
           "committed checkpoint damaged: the next start falls back to the checkpoint the trainer's own retention "
           "kept beside it in the uninterrupted run (or newer, intact) and matches; with nothing kept, it may "
           "start over or exit non-zero, never train on the damage",
-          "conformance/checks/compound.py", compound.compound_faults, params=compound.PARAMS, needs=("trace",),
-          draw=compound.draw_state, case=_STATE),
+          compound.compound_faults, params=compound.PARAMS, needs=("trace",), draw=compound.draw_state, case=_STATE),
     Check("restart_after_finish",
           "after an uninterrupted run, the trainer started again with the same environment exits 0 and trains "
           "no step its newest checkpoint holds; any step it trains matches the baseline; for the run as given and "
           "for one lengthened to end on its save cadence, whose last step is checkpointed",
-          "conformance/checks/lifecycle.py", lifecycle.restart_after_finish, needs=("trace",)),
+          lifecycle.restart_after_finish, needs=("trace",)),
     Check("extend_run",
           "after a run to TOTAL_STEPS, a start with a larger total trains the new steps, and their losses equal "
           "a fresh run to the larger total",
-          "conformance/checks/lifecycle.py", lifecycle.extend_run, needs=("trace", "extendable")),
+          lifecycle.extend_run, needs=("trace", "extendable")),
     Check("upgrade_resume",
           "checkpoints cross a dependency change (--resume-python=PATH: another torch, numpy, transformers or "
           "trainer library): saved here and resumed under PATH (`rollback`), saved under PATH and resumed here "
           "(`upgrade`); each resume matches the baseline of the environment that resumes, never refuses or crashes",
-          "conformance/checks/upgrade.py", upgrade.upgrade_resume, params=upgrade.PARAMS, needs=("resume_python",)),
+          upgrade.upgrade_resume, params=upgrade.PARAMS, needs=("resume_python",)),
     Check("rank_resume",
           "one rank of a multi-rank job killed at a step boundary: every rank resumes from the same step and "
           "every rank's loss matches that rank's own uninterrupted curve (a rank whose RNG or data position "
           "was not restored is named even when rank 0 is fine)",
-          "conformance/checks/ranks.py", ranks.rank_resume, needs=("trace", "multirank"), precondition="operations",
+          ranks.rank_resume, needs=("trace", "multirank"), precondition="operations",
           draw=lambda b, _: strategies.step_points(b, nodes=True), case=_POINT),
     Check("all_or_nothing",
           "one rank of a multi-rank job killed inside a save, at any operation of any rank: the next start "
           "uses only a checkpoint every rank finished (never a mix of two steps' shards), every rank from the "
           "same one, and every rank's loss matches its own uninterrupted curve",
-          "conformance/checks/ranks.py", ranks.all_or_nothing, needs=("trace", "multirank"),
+          ranks.all_or_nothing, needs=("trace", "multirank"),
           precondition="operations", draw=lambda b, _: strategies.save_end_points(b, nodes=True), case=_POINT),
     Check("elastic_restart",
           "one rank of a multi-rank job killed inside a save, the job launched with torchrun's --max-restarts=1: "
           "torchrun restarts the workers in place (no new job), and they resume from at least the newest "
           "checkpoint committed before the kill, every rank from the same one, each on its own uninterrupted "
           "curve, and the job exits 0",
-          "conformance/checks/elastic.py", elastic.elastic_restart, needs=("trace", "multirank"),
+          elastic.elastic_restart, needs=("trace", "multirank"),
           precondition="operations", draw=lambda b, _: elastic.restart_points(b), case=_POINT),
     Check("hang",
           "one rank of a multi-rank job frozen (SIGSTOP) inside a save: the job notices (a rank's collective times "
           "out) and ends within --hang-timeout, never hangs; after the stopped rank is killed the next start resumes "
           "from at least the newest committed checkpoint and matches",
-          "conformance/checks/hang.py", hang.hang, needs=("trace", "multirank"), precondition="operations",
+          hang.hang, needs=("trace", "multirank"), precondition="operations",
           draw=lambda b, _: strategies.in_save_points(b), case=_POINT),
     Check("reshard",
           "save with W ranks and resume with 1 (`shrink`), save with 1 and resume with W (`grow`): the job "
           "resumes at the saved step and the global loss (the mean of the ranks') matches the W-rank run",
-          "conformance/checks/ranks.py", ranks.reshard, params=("shrink", "grow"),
-          needs=("trace", "multirank", "reshard")),
+          ranks.reshard, params=("shrink", "grow"), needs=("trace", "multirank", "reshard")),
     Check("corruption_detected",
           "each file a resume from the newest checkpoint reads (a chained checkpoint's base pieces too), one "
           "per resume, is truncated, bit-flipped (top exponent bit of every float tensor's first element) or "
           "deleted: the trainer falls back to an intact checkpoint and matches, or exits non-zero with a "
           "message, never exit 0 on a diverging curve",
-          "conformance/checks/damage.py", damage.corruption_detected, params=KINDS, needs=("trace",), case=_FILE),
+          damage.corruption_detected, params=KINDS, needs=("trace",), case=_FILE),
     Check("untrusted_checkpoint",
           "each file of the newest checkpoint in turn is replaced by a pickle that runs code when loaded; "
           "that code must never run",
-          "conformance/checks/untrusted.py", untrusted.untrusted_checkpoint, needs=("trace",), precondition="none"),
+          untrusted.untrusted_checkpoint, needs=("trace",), precondition="none"),
     Check("node_loss",
           "killed just before any change to the cold tier (an upload, a marker, a deletion; or not at all), then "
           "the checkpoint directory is wiped: the next start resumes from the cold tier, from at least the save "
@@ -252,22 +259,23 @@ CHECKS: tuple[Check, ...] = (
           "job of several nodes (`--nnodes`): a whole node lost inside a save or at a step, with its directory; "
           "the next job resumes from what survives (a replica, the shared directory, the cold tier), from at "
           "least the save before the newest committed one, and every rank matches",
-          "conformance/checks/tiers.py", _node_loss, needs=("trace", "lost_node_storage"),
+          # the cold-tier case (a number) or the multi-node case (a node point), by what was drawn
+          ByCase(((int, tiers.node_loss), (object, nodes.node_loss))), needs=("trace", "lost_node_storage"),
           draw=lambda b, _: _node_loss_cases(b), case=_LOST_AT),
     Check("branch_resume",
           "after a whole run, resumed from an older checkpoint (CONFORMANCE_RESUME_FROM: the best one by the metric "
           "it logs, with capability keep_best): it resumes at that step, its new curve matches the baseline, and "
           "every file of the original line is still there byte for byte",
-          "conformance/checks/tiers.py", tiers.branch_resume, needs=("trace", "resume_from")),
+          tiers.branch_resume, needs=("trace", "resume_from")),
     Check("demotion_safe",
           "killed just before any change to the cold tier, or one object it writes silently corrupted, then run to "
           "the end: resumed from the checkpoint branch_resume asks for (CONFORMANCE_RESUME_FROM), it still loads and "
           "matches the baseline; a hot copy is never deleted before its cold copy is verified",
-          "conformance/checks/tiers.py", tiers.demotion_safe, needs=("trace", "cold_tier", "resume_from"),
+          tiers.demotion_safe, needs=("trace", "cold_tier", "resume_from"),
           draw=lambda b, _: tiers.fault_points(b), case=_COLD_FAULT),
     Check("schema_migration",
           "legacy samples load, and the run resumes at their step and matches the baseline",
-          "conformance/checks/legacy.py", legacy.schema_migration, needs=("legacy_samples",), precondition="none",
+          legacy.schema_migration, needs=("legacy_samples",), precondition="none",
           case=CaseOption("legacy", "one legacy sample, by name")),
 )
 BY_ID = {c.id: c for c in CHECKS}
@@ -341,7 +349,7 @@ def markdown_table() -> str:
                  .get(n, f"capability `{n}`") for n in c.needs]
         if c.precondition != "none":
             needs.append("deterministic " + ("losses and operations" if c.precondition == "operations" else "losses"))
-        rows.append(f"| {ids} | {c.summary} | {', '.join(needs) or '-'} | `{c.decided_in}` |")
+        rows.append(f"| {ids} | {c.summary} | {', '.join(needs) or '-'} | {', '.join(f'`{m}`' for m in c.decided_in)} |")
     return "\n".join(rows)
 
 
@@ -355,7 +363,7 @@ def checks_page() -> str:
         cases = f" Cases: {', '.join(f'`{c.id}[{p}]`' for p in c.params)}." if c.params else ""
         out += [f"## `{c.id}`", "", f"What it asserts: {c.summary}.{cases}", "", f"Fix: {FIXES[c.id]}.", ""]
         out += [line for f in CAUSE_FIXES if f.check == c.id for line in (f"Fix when {f.cause}: {f.fix}.", "")]
-        out += [f"Decided in `{c.decided_in}`.", ""]
+        out += [f"Decided in {' and '.join(f'`{m}`' for m in c.decided_in)}.", ""]
     return "\n".join(out)
 
 

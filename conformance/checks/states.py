@@ -28,7 +28,14 @@ from .session import Session
 from .tolerance import Tolerance
 
 MAX_STATE_FAILURES = 5
-STATE_WORKERS = int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1)
+
+
+def state_workers() -> int:
+    """How many states are decided at once: CONFORMANCE_STATE_WORKERS, else the cores, at most 4."""
+    return int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1)
+
+
+STATE_WORKERS = state_workers()
 
 
 def _group(state) -> tuple | None:

@@ -6,6 +6,11 @@ exactly operations 0..i-1 applied in order. A kill that lands *during* a large w
 part of it (the kernel checks for fatal signals between pages), so every write of more than one
 byte also gets a "torn" variant with its first half applied. Building a state costs
 milliseconds; checks/states.py decides each one with a short resume.
+
+It is also the one owner of which files belong to a checkpoint (`save_paths`, `save_files`):
+retention (retained.py), power cuts, corruption_detected and the newest checkpoint's files
+(checks/common.py) ask it, for a run recorded with data or, with `with_stand_in_bytes`, one
+recorded for paths only.
 """
 from __future__ import annotations
 
@@ -210,23 +215,67 @@ def same_directory_note(alike: list, what: str) -> str:
             "differs only in files the resume never looked at)")
 
 
+# What a save puts bytes or a name at (`save_paths`); a removal or a sync puts nothing.
+_PUTS = frozenset({"mkdir", "create", "write", "copy", "truncate", "rename", "link", "symlink"})
+
+
+def save_paths(run: RecordedRun) -> dict[int, tuple[str, ...]]:
+    """Step s -> every path its save put bytes or a name at, in the order it first did: what it
+    made, wrote, copied to or truncated, a rename's or a link's target and a symlink's own name
+    (never what it only read: a copy's or a link's source, a symlink's target), and for a renamed
+    directory the paths it had put under it, at their new place (just after the old one)."""
+    out: dict[int, dict[str, None]] = {}
+    for op in run.ops:
+        dst = op.target if op.kind in ("rename", "link") else op.path
+        if not op.save or op.kind not in _PUTS or not dst:
+            continue
+        paths = out.setdefault(op.save, {})
+        if op.kind == "rename":
+            paths = out[op.save] = {q: None for p in paths for q in (p, _moved(p, op.path, dst)) if q}
+        paths[dst] = None
+    return {s: tuple(paths) for s, paths in out.items()}
+
+
+def _moved(path: str, src: str, dst: str) -> str | None:
+    """Where a rename of `src` to `dst` takes `path` (None: it is not `src` or under it)."""
+    return dst + path[len(src):] if _under(path, src) else None
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top + "/")
+
+
 def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
-    """Step s -> the files its save leaves behind (written or renamed in during the save, and
-    present when it ends), with their bytes: what a complete checkpoint of step s is. A directory
-    the save only fsynced is not its (a node's directory holds every save's checkpoints)."""
+    """Step s -> the files its save leaves behind, with their bytes: those present when its last
+    operation is over that lie at or under a path it put bytes or a name at (save_paths: a
+    directory it made or renamed in holds its files): what a complete checkpoint of step s is. A
+    directory the save only fsynced is not its (a node's directory holds every save's checkpoints)."""
     ends = {idxs[-1]: s for s, idxs in run.windows().items() if s}
-    written: dict[int, set[str]] = {}
+    paths = save_paths(run)
     finals: dict[int, dict[str, bytes]] = {}
     replayer = Replayer()
     for op in run.ops:
         replayer.apply(op)
-        if op.mutation and op.save and op.kind != "fsync":
-            written.setdefault(op.save, set()).update(p for p in (op.path, op.target) if p)
         if op.index in ends:
             s = ends[op.index]
             finals[s] = {p: bytes(b) for p, b in replayer.files.items() if not p.startswith("/")
-                         and any(p == w or p.startswith(w + "/") for w in written.get(s, ()))}
+                         and any(_under(p, w) for w in paths.get(s, ()))}
     return finals
+
+
+def with_stand_in_bytes(run: RecordedRun) -> RecordedRun:
+    """`run`, replayable though recorded for paths only: a write whose bytes the trace cut short
+    (and a copy, whose bytes come from elsewhere) is a write of stand-in bytes of its own, unique
+    to the operation, so a file ends holding its save's bytes exactly when nothing after the save
+    changed it."""
+    return dataclasses.replace(run, ops=tuple(_with_stand_in_bytes(op) for op in run.ops))
+
+
+def _with_stand_in_bytes(op: Op) -> Op:
+    if op.kind == "copy" or (op.kind == "write" and op.data is None):
+        return dataclasses.replace(op, kind="write", data=b"\0stand-in for op #%d\0" % op.index,
+                                   offset=op.offset if op.kind == "write" else None, target="", length=0)
+    return op
 
 
 def _save_complete_before(run: RecordedRun) -> dict[int, bool]:

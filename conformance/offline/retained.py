@@ -14,23 +14,19 @@ from pathlib import Path
 
 from ..trace.recording import RecordedRun
 from . import powerloss
-from .crash_states import Replayer, save_files
-
-_WRITES = frozenset({"create", "write", "copy", "truncate", "rename", "link", "symlink"})
+from .crash_states import Replayer, save_files, save_paths
 
 
 def own_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
-    """Step s -> the files of its checkpoint that no other save writes, with their bytes (empty:
-    a checkpoint that cannot be told apart, such as one file overwritten by every save)."""
-    finals = save_files(run)
-    written: dict[int, set[str]] = {}   # what each save put bytes or names at (not what it deleted)
-    for i in run.mutations:
-        op = run.ops[i]
-        if op.save and op.kind in _WRITES:
-            written.setdefault(op.save, set()).add(op.target if op.kind in ("rename", "link") else op.path)
+    """Step s -> the files of its checkpoint (crash_states.save_files) that no other save puts
+    bytes or a name at, by that very name (save_paths: a directory it renames in brings its files'
+    names; one it only made does not make every file in it its, as a store each save adds pieces
+    to), with their bytes (empty: a checkpoint that cannot be told apart, such as one file
+    overwritten by every save)."""
+    finals, put = save_files(run), save_paths(run)
     out = {}
     for s, files in finals.items():
-        others = set().union(*(w for t, w in written.items() if t != s))
+        others = set().union(*(w for t, w in put.items() if t != s))
         out[s] = {p: b for p, b in files.items() if p not in others}
     return out
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec
-from . import launch, nodes
+from . import launch, nodes, runners
 from .guardian import guard
 from .proctree import kill_tree
 from .runners import POLL_S, Jobs, Tracing, finish, job_stderr, run_nodes, signal_group, terminal_signals
@@ -37,8 +37,7 @@ class SubprocessRunner(Jobs):
     def _run(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path,
              tracing: Tracing | None, stop: Stop | None, port: int | None) -> ProcessResult:
         env = adapter.environment(spec.env(ckpt_dir, loss_log))
-        template = loss_log.with_name(loss_log.name + ".stderr.rank{rank}")
-        err_path = loss_log.with_name(loss_log.name + ".stderr")
+        template, err_path = runners.rank_stderr_template(loss_log), runners.stderr_file(loss_log)
         if port is not None and spec.nnodes > 1:
             env = launch.rank_env(env, spec, stderr_template=template,
                                   straces={r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())})

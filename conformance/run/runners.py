@@ -70,6 +70,18 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
+def stderr_file(loss_log: Path) -> Path:
+    """Where the trainer process started for `loss_log` writes its stderr (a job: its launcher; a job
+    of several nodes: each agent beside it, nodes.node_stderr), beside the loss log."""
+    return loss_log.with_name(loss_log.name + ".stderr")
+
+
+def rank_stderr_template(loss_log: Path) -> Path:
+    """Where each rank of a job started for `loss_log` writes its stderr (launch.rank_stderr fills in `{rank}`)."""
+    launcher = stderr_file(loss_log)
+    return launcher.with_name(launcher.name + ".rank{rank}")
+
+
 def _trace_text(trace_file: Path | None) -> str:
     return trace_file.read_text(errors="replace") if trace_file and trace_file.exists() else ""
 
@@ -178,7 +190,7 @@ def run_nodes(limits: Limits, spec: RunSpec, loss_log: Path, tracing: Tracing | 
                template: Path, make_agent, problem=None) -> ProcessResult:
     """A job of several nodes (nodes.py), by either runner: `make_agent(stderr path)` runs one
     node's agent."""
-    stderr_path = loss_log.with_name(loss_log.name + ".stderr")
+    stderr_path = stderr_file(loss_log)
     start = time.monotonic()
     job: list[nodes.NodeJob] = []
     watch = Watchdog(limits, spec, loss_log, tracing.files() if tracing else [], stop,

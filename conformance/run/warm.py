@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec
-from . import launch, nodes
+from . import launch, nodes, runners
 from .attach import RankAttacher, attach_strace
 from .fresh import SubprocessRunner
 from .guardian import guard
@@ -82,7 +82,7 @@ class WarmRunner(Jobs):
 
     def _run_single(self, adapter: TrainerAdapter, target, identity: int, spec: RunSpec, ckpt_dir: Path,
                     loss_log: Path, tracing: Tracing | None, stop: Stop | None) -> ProcessResult:
-        stderr_path = loss_log.with_name(loss_log.name + ".stderr")
+        stderr_path = runners.stderr_file(loss_log)
         start = time.monotonic()
         watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop)
 
@@ -98,8 +98,7 @@ class WarmRunner(Jobs):
 
     def _run_job(self, adapter: TrainerAdapter, target, identity: int, spec: RunSpec, ckpt_dir: Path,
                  loss_log: Path, tracing: Tracing | None, stop: Stop | None, port: int) -> ProcessResult:
-        stderr_path = loss_log.with_name(loss_log.name + ".stderr")
-        template = loss_log.with_name(loss_log.name + ".stderr.rank{rank}")
+        stderr_path, template = runners.stderr_file(loss_log), runners.rank_stderr_template(loss_log)
         announce = Path(tempfile.mkdtemp(prefix="ranks-", dir=loss_log.parent))
         straces = {r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())}
         env = launch.rank_env(adapter.environment(spec.env(ckpt_dir, loss_log)), spec, stderr_template=template,
@@ -151,7 +150,7 @@ class WarmRunner(Jobs):
         target, _ = warm_target(adapter)
         if target is None or first.is_job:
             return None
-        stderr_path = second_log.with_name(second_log.name + ".stderr")
+        stderr_path = runners.stderr_file(second_log)
         start = time.monotonic()
         watch = Watchdog(dataclasses.replace(self.limits, stall_s=self.limits.total_s), second, second_log, [])
         rc, overrun = self._server(adapter, target, self.identities.choose(ckpt_dir)).run(

@@ -144,9 +144,11 @@ def keep_main_code(module: str) -> None:
 def huge_page_tunables(tunables: str | None) -> str:
     """The server's GLIBC_TUNABLES: the caller's, with malloc backing its heap by transparent huge
     pages (unless the caller chose otherwise). Every fork copies the page tables of the server's
-    ~220 MB of anonymous memory (torch's imports) and every child's exit tears them down: 6.4 and
-    9.1 ms here with 4 KiB pages, 2.4 and 4.7 ms with half of it in 2 MiB pages. Only the server's
-    process reads it; the children's environment is the trainer's, given with each request."""
+    anonymous memory (hundreds of MB once torch is imported) and every child's exit tears them
+    down, one entry per page: a 2 MiB page needs one where 4 KiB pages need 512, so both get
+    cheaper with each part of the heap in huge pages (by how much: docs/benchmarks.md, "Measured
+    by hand"). Only the server's process reads it; the children's environment is the trainer's,
+    given with each request."""
     items = [t for t in (tunables or "").split(":") if t]
     if not any(t.startswith("glibc.malloc.hugetlb=") for t in items):
         items.append("glibc.malloc.hugetlb=1")

@@ -7,11 +7,12 @@ of a run from these; nothing else reads strace output.
 
 strace 6.1 notes: `--seccomp-bpf` is used only where no signal is injected (`observe_argv`,
 `record_argv`, and error injections), because with it strace silently skips signal injection. It
-takes effect only where strace starts the process (a fresh interpreter: its `import torch` is not
-stopped at every syscall, 12.5 s -> 5.3 s for a traced run of the reference trainer here); an attach
-(`attach.attach_strace`) drops it. `-P PATH` is used only where it was
-measured to inject (`inject_on_path_argv`: a loss log's writes, a path every run shares), counting
-only the calls on that path. `when=N` counts per thread and per syscall.
+takes effect only where strace starts the process, and there it is worth having: without it strace
+stops the traced process at every syscall, traced or not, and a fresh interpreter's `import torch`
+alone makes tens of thousands that no check looks at (what it saves: docs/benchmarks.md, "Measured by
+hand"); an attach (`attach.attach_strace`) drops it. `-P PATH` is used only where it was seen to
+inject (`inject_on_path_argv`: a loss log's writes, a path every run shares), counting only the
+calls on that path. `when=N` counts per thread and per syscall.
 """
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ import base64
 import collections
 import dataclasses
 import hashlib
-import io
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ import torch
 
 from ..errors import write_error
 from ..primitives.atomic import atomic_write, fsync_dir, remove_stale_temps
+from ..primitives.encoding import torch_bytes
 from ..primitives.integrity import tensor_bytes
 from ..primitives.schema import check_supported
 from ..primitives.tree import split_tensors
@@ -178,9 +178,7 @@ def save_chain(payload: dict[str, Any], directory: Path, step: int, *, kind: str
 def skeleton_text(skeleton: Any) -> str:
     """The skeleton, torch.save'd and base64-encoded: small, and part of the manifest (a piece of
     its own would be named by a hash that changes with every save's wall-clock time)."""
-    buf = io.BytesIO()
-    torch.save(skeleton, buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return base64.b64encode(torch_bytes(skeleton)).decode("ascii")
 
 
 @dataclasses.dataclass

@@ -2,7 +2,8 @@
 checkpoint without knowing how it is stored. Three layouts implement it, each beside its own
 format: one file (`single_file.FileLayout`), a sharded directory (`sharded.ShardedLayout`) and a
 chained checkpoint (`reference.chain.layout.ChainLayout`). A checkpoint's name says its layout
-(names.py); `of(path)` is the one place a path is mapped to its layout."""
+(names.py); `of(path)` is the one place a path is mapped to its layout, and `named(name)` the one
+place a layout's name is: an unknown name is refused there, with the names there are."""
 from __future__ import annotations
 
 import os
@@ -58,8 +59,11 @@ _READERS: dict[str, Layout] = {"file": FileLayout(), "sharded": ShardedLayout(),
 
 
 def named(name: str) -> Layout:
-    """The reading instance of the layout called `name`."""
-    return _READERS[name]
+    """The reading instance of the layout called `name`; a ValueError for a name that is none."""
+    try:
+        return _READERS[name]
+    except (KeyError, TypeError):   # TypeError: an unhashable name
+        raise ValueError(f"layout must be one of {', '.join(map(repr, names.LAYOUTS))}, got {name!r}") from None
 
 
 def for_config(name: str, *, num_shards: int, group_by, max_workers: int | None, chain_writer) -> Layout:
