@@ -61,6 +61,13 @@ def test_a_projects_own_fixtures_package_stays_its_own(tmp_path):
     """, tmp_path)
     assert proc.stdout.splitlines() == ["the team s own", "reference_trainer"], proc.stderr
     assert "now spelled" not in proc.stderr
+    # A `fixtures` that lacks the bundled module (testing-cabal's has no `fixtures.broken`): the new spelling.
+    proc = _python("""
+        import os
+        from conformance.model.adapters import python_adapter
+        print(python_adapter("fixtures.broken.no_fsync:ADAPTER", (os.getcwd(),)).spec)
+    """, tmp_path)
+    assert proc.stdout.strip() == "resume_conformance.fixtures.broken.no_fsync:ADAPTER", proc.stderr
 
 
 @pytest.mark.parametrize("spec, cause, fix", [

@@ -30,8 +30,9 @@ def _find(name: str):
 
 def current_spelling(module_name: str) -> str | None:
     """The new name of a bundled module given by its old top-level spelling (`fixtures.broken.x` ->
-    `resume_conformance.fixtures.broken.x`); None when the name is not an old spelling, or when a
-    package of the user's own answers to it (a project's own `fixtures/` stays theirs)."""
+    `resume_conformance.fixtures.broken.x`); None when the name is not an old spelling, or when
+    another package answers to it (a project's own `fixtures/` stays theirs; testing-cabal's
+    `fixtures` has no `fixtures.broken`)."""
     top = module_name.split(".")[0]
     if top not in OLD_TOP_LEVEL:
         return None
@@ -41,7 +42,8 @@ def current_spelling(module_name: str) -> str | None:
     theirs = _find(top)
     bundled = _bundled_dir(top)
     if theirs is not None and theirs.submodule_search_locations and bundled is not None:
-        if Path(theirs.submodule_search_locations[0]).resolve() != bundled:
+        # Another `fixtures` (a project's own, or testing-cabal's) keeps every name it has.
+        if Path(theirs.submodule_search_locations[0]).resolve() != bundled and _find(module_name) is not None:
             return None
     return new
 
