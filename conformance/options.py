@@ -130,11 +130,6 @@ def rdzv_port(config) -> int | None:
     return port
 
 
-def positive_seconds(config, name: str, default: float) -> float:
-    """A number of seconds option (e.g. --hang-timeout): positive, else a usage error."""
-    return number(config, name, default)
-
-
 def accept_old_profile_name(name: str | None) -> None:
     """`--hypothesis-profile=conformance-ci` (the suite's name before 0.2), where nothing else registered `ci`:
     Hypothesis gets that name as the suite's profile so that it loads; a team's own `ci` stays

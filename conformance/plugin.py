@@ -33,7 +33,6 @@ from .options import (  # noqa: F401
     number,
     option,
     platform_problem,
-    positive_seconds,
     rdzv_port,
     resume_interpreter,
 )
@@ -80,7 +79,7 @@ def conformance_session_for(request, tmp_path_factory):
         raise pytest.UsageError(f"{USAGE_PREFIX}--cold-url must be 'file' or s3://bucket/prefix, got {cold!r}")
     s3 = None
     resume_python = resume_interpreter(config)
-    hang_timeout = positive_seconds(config, "hang_timeout", DEFAULT_HANG_TIMEOUT_S)
+    hang_timeout = number(config, "hang_timeout", DEFAULT_HANG_TIMEOUT_S)
 
     def get(adapter=None, trainer_cmd=None, world_size=None, nnodes=None) -> Session:
         if adapter is None and trainer_cmd is None:
