@@ -1,5 +1,5 @@
-"""pytest plugin (entry point `pytest11: conformance`): options, fixtures, expected failures and
-reports.
+"""pytest plugin (entry point `pytest11: conformance`): options, fixtures, the trainer named up front,
+expected failures, and the hooks that hand each check's report to the report collection (`collect`).
 
     pytest --pyargs conformance -n auto --adapter=pkg.module:attr
     pytest --pyargs conformance -n auto --trainer-cmd="python train.py --foo"
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
 from pathlib import Path
 
 import pytest
 
+from . import collect
 from .checks import Session
 from .model import evidence
 from .model import settings as _settings  # registers the Hypothesis profiles
@@ -37,9 +37,7 @@ from .options import (  # noqa: F401
     resume_interpreter,
 )
 from .report import expected
-from .report import report as reports
 from .report.usage import (
-    describe_setup,
     multirank_problems,
     profile_problem,
     trainer_naming_problem,
@@ -235,22 +233,11 @@ def pytest_configure(config):
             raise pytest.UsageError(str(exc)) from None
     config._conformance_expected = (path, entries)
     if not hasattr(config, "workerinput"):   # the controller (or a run without xdist)
-        config.pluginmanager.register(ReportCollector(config), "conformance-report")
+        config.pluginmanager.register(collect.ReportCollector(config), "conformance-report")
         config.pluginmanager.register(UsageErrors(), "conformance-usage-errors")
 
-
-def _header(config) -> str:
-    """The trainer, profile, runner and strace of this run (after every plugin has configured)."""
-    adapter = getattr(config, "_conformance_adapter", None)
-    if adapter is None:
-        return ""
-    if getattr(config, "_conformance_header", None) is None:
-        config._conformance_header = describe_setup(adapter, option(config, "runner"))
-    return config._conformance_header
-
-
 def pytest_report_header(config):
-    header = _header(config)
+    header = collect.run_header(config)
     return [header] if header else None
 
 
@@ -271,7 +258,7 @@ def _check_id(item) -> str:
     return name[5:] if name.startswith("test_") else name
 
 
-# -- reports -----------------------------------------------------------------------------------------
+# -- each test: a fresh evidence record, the collector's freeze, the report's property --------------
 def pytest_runtest_setup(item):
     evidence.take()
     _collector_for(item)
@@ -293,101 +280,7 @@ def _collector_for(item) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Attach what the check recorded to its report: pytest-xdist carries user_properties from
-    workers to the controller, and --junitxml writes them as properties."""
+    """Attach what the check recorded to its report (`collect.attach`), at setup and call."""
     if _conformance_class(item) is not None and call.when in ("setup", "call"):
-        session = getattr(item, "funcargs", {}).get("session")
-        adapter = getattr(session, "adapter", None)
-        message = ""
-        if call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
-            message = failure_message(call.excinfo.value)
-        payload = {"check": _check_id(item), "evidence": [e.to_json() for e in evidence.take()], "message": message,
-                   "adapter": None if adapter is None else
-                   {"name": adapter.name, "spec": adapter.spec, "version": adapter.version,
-                    "capabilities": sorted(adapter.capabilities)}}
-        item.user_properties[:] = [(k, v) for k, v in item.user_properties if k != reports.PROPERTY]
-        item.user_properties.append((reports.PROPERTY, json.dumps(payload)))
+        collect.attach(item, _check_id(item), call.excinfo)
     yield
-
-
-def failure_message(exc: BaseException) -> str:
-    """What a failed check's report says: a check's own message as it wrote it, else the
-    exception's type and text. An exception group (Hypothesis's FlakyFailure: a draw failed, and
-    its replay did something else) says each exception inside it too, where the first
-    failure's message is."""
-    if not str(exc) and exc.__cause__ is not None and not isinstance(exc, BaseExceptionGroup):
-        return failure_message(exc.__cause__)   # a wrapper (Hypothesis wraps a pytest.fail in a group)
-    if isinstance(exc, pytest.fail.Exception):
-        text = exc.msg
-    elif isinstance(exc, AssertionError):
-        text = str(exc)
-    else:
-        name = type(exc).__qualname__
-        text = f"{type(exc).__module__}.{name}: {exc}" if type(exc).__module__ != "builtins" else f"{name}: {exc}"
-    if isinstance(exc, BaseExceptionGroup):
-        for n, inner in enumerate(exc.exceptions, 1):
-            text += f"\n  inner exception {n}: " + failure_message(inner).replace("\n", "\n    ")
-    return text
-
-
-def case_from_report(rep) -> reports.Case | None:
-    """One report case from a test report carrying our property (None for other tests)."""
-    raw = next((v for k, v in rep.user_properties if k == reports.PROPERTY), None)
-    if raw is None or not (rep.when == "call" or (rep.when == "setup" and rep.outcome != "passed")):
-        return None
-    data = json.loads(raw)
-    outcome = {"passed": "passed", "failed": "failed" if rep.when == "call" else "error",
-               "skipped": "skipped"}[rep.outcome]
-    reason = ""
-    if hasattr(rep, "wasxfail"):
-        outcome, reason = ("xpassed" if rep.passed else "xfailed"), rep.wasxfail
-    elif rep.skipped and isinstance(rep.longrepr, tuple):
-        reason = str(rep.longrepr[2]).removeprefix("Skipped: ")
-    case = reports.Case.from_json({**data, "nodeid": rep.nodeid, "outcome": outcome, "reason": reason,
-                                   "duration_s": round(rep.duration, 3)})
-    case.plots = [e.path for e in case.evidence if isinstance(e, evidence.Plot)]
-    case.evidence = [e for e in case.evidence if not isinstance(e, evidence.Plot)]
-    if outcome not in ("failed", "error", "xfailed"):
-        case.message = ""
-    elif not case.message:
-        case.message = rep.longreprtext
-    return case
-
-
-def skip_text(reason: str) -> str:
-    """A skip's reason without pytest's "Skipped: " prefix, on one line."""
-    return " ".join(reason.removeprefix("Skipped: ").split())
-
-
-class ReportCollector:
-    """Controller-side: gathers every check's case and writes report.json and summary.md."""
-
-    def __init__(self, config):
-        self.config = config
-        self.cases: list[reports.Case] = []
-
-    def pytest_runtest_logreport(self, report):
-        case = case_from_report(report)
-        if case is not None:
-            self.cases.append(case)
-
-    def pytest_terminal_summary(self, terminalreporter):
-        if not self.cases:
-            return
-        tested = dict.fromkeys(f"{c.adapter.name} ({c.adapter.spec})" for c in self.cases if c.adapter)
-        if tested:
-            terminalreporter.write_line(f"conformance: tested {', '.join(tested)}")
-        skipped = [c for c in self.cases if c.outcome == "skipped"]
-        if skipped:   # the suite's own skips, with why, without -rs: a skip is a check that did not run
-            terminalreporter.write_line(f"conformance: {len(skipped)} check(s) did not run:")
-            for case in sorted(skipped, key=lambda c: c.check):
-                terminalreporter.write_line(f"  {case.check}: {skip_text(case.reason)}")
-        directory = option(self.config, "report") or DEFAULT_REPORT_DIR
-        adapter = next((c.adapter for c in self.cases if c.adapter), None)
-        profile = _settings.suite_profile(self.config.getoption("hypothesis_profile", None) or "default")
-        built = reports.environment(adapter, profile, self.cases, _header(self.config))
-        for _, found in built.disagreements:   # passed for the trainer; a problem of the suite's, said out loud
-            terminalreporter.write_line(f"conformance: {found.summary()}", yellow=True, bold=True)
-        json_path, md_path = reports.write_report(built, Path(directory).resolve())
-        terminalreporter.write_line(f"conformance report: {json_path} and {md_path}")
-

@@ -18,7 +18,7 @@ from typing import Any
 from . import names
 from .errors import CheckpointError
 from .layouts import kinds
-from .primitives.atomic import fsync_dir, is_temp_name
+from .primitives.atomic import fsync_dir
 
 
 class CheckpointSkippedWarning(UserWarning):
@@ -40,20 +40,13 @@ def list_checkpoints(directory: str | os.PathLike, *, layout: str | None = None)
     only, if given. The one listing of a directory's checkpoints, the multi-rank managers' too: an
     entry counts only if it is what its layout (`kinds.of`) stores, a directory itself (not a link
     to one) or a file, and two names of one step (`step-5`, `step-00000005`) are both listed."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
     only = None if layout is None else kinds.named(layout).name
     found = []
-    for entry in os.scandir(directory):
-        parsed = names.parse(entry.name)
-        if parsed is None or is_temp_name(entry.name):
-            continue
-        kind = kinds.of(entry.name)
-        if kind.is_directory != entry.is_dir(follow_symlinks=False) or only not in (None, kind.name):
-            continue
-        found.append(CheckpointInfo(parsed[0], Path(entry.path)))
-    return sorted(found, key=lambda c: (c.step, c.path.name))
+    for entry in names.step_entries(directory):
+        kind = kinds.of(entry.path.name)
+        if kind.is_directory == entry.is_dir and only in (None, kind.name):
+            found.append(CheckpointInfo(entry.step, entry.path))
+    return found
 
 
 def verify(info_or_path: CheckpointInfo | str | os.PathLike) -> None:

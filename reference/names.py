@@ -1,4 +1,5 @@
-"""A checkpoint's name and its step: the one place they are formatted and parsed.
+"""A checkpoint's name and its step: the one place they are formatted and parsed, and a directory
+is scanned for them.
 
 `step-00000012` a sharded directory (and a committed DCP checkpoint), `step-00000012.pt` one file,
 `step-00000012.chain.json` a chained checkpoint's manifest, `.staging-step-00000012` a DCP save
@@ -7,7 +8,10 @@ by the number parsed here, never by the string.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
+from pathlib import Path
 
 CHAIN_SUFFIX = ".chain.json"
 FILE_SUFFIX = ".pt"
@@ -52,3 +56,28 @@ def staging_step(name: str) -> int | None:
     """The step of a DCP staging directory's name, or None."""
     m = _STAGING_RE.match(name)
     return int(m.group("step")) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEntry:
+    """An entry of a directory with a checkpoint's name: its step, the layout its name says, and
+    whether it is a directory itself (a link to one is not)."""
+    step: int
+    layout: str
+    path: Path
+    is_dir: bool
+
+
+def step_entries(directory: str | os.PathLike) -> list[StepEntry]:
+    """Every entry of `directory` named as a checkpoint (committed or not), oldest first by step
+    number, never by string: the one scan that the catalog's listing and chain's garbage collection
+    both filter. An absent directory holds none."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in os.scandir(directory):
+        parsed = parse(entry.name)
+        if parsed is not None:
+            found.append(StepEntry(parsed[0], parsed[1], Path(entry.path), entry.is_dir(follow_symlinks=False)))
+    return sorted(found, key=lambda e: (e.step, e.path.name))

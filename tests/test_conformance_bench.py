@@ -10,6 +10,7 @@ import pytest
 
 from conformance.bench import ab as bench_ab
 from conformance.bench import measure as bench
+from conformance.bench import targets
 from conformance.report.readme import MarkerMissing, replace_section
 
 
@@ -18,15 +19,15 @@ def _result(trial=0.08, states=1200.0, ci=60.0, power=1500.0, ranks=2.5, ranks_c
             "power_loss_states_per_min": power, "script_trial_vs_import": trial,
             "multirank_trial_vs_single": ranks, "multirank_ci_profile_seconds": ranks_ci,
             "multinode_trial_vs_bare_pair": nodes, "digest_cost": 0.03,
-            "targets_met": {"digest_cost": bench._met("digest_cost", 0.03),
-                            "multirank_trial_vs_single": bench._met("multirank_trial_vs_single", ranks),
-                            "multinode_trial_vs_bare_pair": bench._met("multinode_trial_vs_bare_pair", nodes),
-                            "multirank_ci_profile_seconds": bench._met("multirank_ci_profile_seconds", ranks_ci),
-                            "trial_vs_import": bench._met("trial_vs_import", trial),
-                            "script_trial_vs_import": bench._met("script_trial_vs_import", trial),
-                            "integrity_states_per_min": bench._met("integrity_states_per_min", states),
-                            "power_loss_states_per_min": bench._met("power_loss_states_per_min", power),
-                            "ci_profile_seconds": bench._met("ci_profile_seconds", ci)},
+            "targets_met": {"digest_cost": targets.met("digest_cost", 0.03),
+                            "multirank_trial_vs_single": targets.met("multirank_trial_vs_single", ranks),
+                            "multinode_trial_vs_bare_pair": targets.met("multinode_trial_vs_bare_pair", nodes),
+                            "multirank_ci_profile_seconds": targets.met("multirank_ci_profile_seconds", ranks_ci),
+                            "trial_vs_import": targets.met("trial_vs_import", trial),
+                            "script_trial_vs_import": targets.met("script_trial_vs_import", trial),
+                            "integrity_states_per_min": targets.met("integrity_states_per_min", states),
+                            "power_loss_states_per_min": targets.met("power_loss_states_per_min", power),
+                            "ci_profile_seconds": targets.met("ci_profile_seconds", ci)},
             "details": {"digest_per_step_s": 0.0004, "digest_compare_per_curve_s": 0.00002,
                         "multirank_trial_s": 0.4, "multirank_trial_schedule": "fs:3@r1", "multirank_ci": None,
                         "multinode_trial_s": 0.7, "multinode_trial_schedule": "save:6/5@node1",
@@ -43,10 +44,10 @@ def _result(trial=0.08, states=1200.0, ci=60.0, power=1500.0, ranks=2.5, ranks_c
 
 
 def test_targets_and_markdown_table():
-    assert bench._met("trial_vs_import", 0.1) and not bench._met("trial_vs_import", 0.11)
-    assert bench._met("integrity_states_per_min", 1000) and not bench._met("integrity_states_per_min", 999)
-    assert bench._met("ci_profile_seconds", None) is None
-    md = bench.format_markdown(_result(states=900.0), "python -m conformance.bench")
+    assert targets.met("trial_vs_import", 0.1) and not targets.met("trial_vs_import", 0.11)
+    assert targets.met("integrity_states_per_min", 1000) and not targets.met("integrity_states_per_min", 999)
+    assert targets.met("ci_profile_seconds", None) is None
+    md = targets.format_markdown(_result(states=900.0), "python -m conformance.bench")
     assert "| `trial_vs_import` | 0.080 | <= 0.1 | yes |" in md
     assert "| `integrity_states_per_min` | 900 | >= 1000 | no |" in md
     assert "| `power_loss_states_per_min` | 1500 | >= 1000 | yes |" in md
@@ -54,17 +55,17 @@ def test_targets_and_markdown_table():
     assert "| `multirank_ci_profile_seconds` | not run | <= 300 | - |" in md
     assert ("| `multinode_trial_vs_bare_pair` | 2.30 | <= 2.0 | no | 2-node x 2-rank trial (save:6/5@node1) 700 ms / "
             "bare 4-rank torchrun pair (stopped after step 6, resumed) 300 ms") in md
-    assert bench._met("multinode_trial_vs_bare_pair", 2.0) and not bench._met("multinode_trial_vs_bare_pair", 2.01)
+    assert targets.met("multinode_trial_vs_bare_pair", 2.0) and not targets.met("multinode_trial_vs_bare_pair", 2.01)
     assert "every fs op of a save covered: yes (121 states / 105 recorded ops)" in md
     assert "| `digest_cost` | 0.0300 | <= 0.05 | yes | state digest 0.40 ms x 5 (save steps, and after the resume)" in md
-    assert bench._met("digest_cost", 0.05) and not bench._met("digest_cost", 0.051)
+    assert targets.met("digest_cost", 0.05) and not targets.met("digest_cost", 0.051)
 
 
 def test_replace_section_replaces_only_its_section(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{bench._MARKER}\n\nold table\n\n## next\nkept\n")
-    replace_section(readme, bench._MARKER, "new table")
-    assert readme.read_text() == f"# x\n\n{bench._MARKER}\n\nnew table\n\n## next\nkept\n"
+    readme.write_text(f"# x\n\n{targets.MARKER}\n\nold table\n\n## next\nkept\n")
+    replace_section(readme, targets.MARKER, "new table")
+    assert readme.read_text() == f"# x\n\n{targets.MARKER}\n\nnew table\n\n## next\nkept\n"
     with pytest.raises(MarkerMissing, match="no line '<!-- other -->'"):
         replace_section(readme, "<!-- other -->", "x")
 

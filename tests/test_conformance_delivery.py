@@ -1,6 +1,7 @@
 """Meta-tests of how a fault lands and is proven to (conformance/faults/delivery.py): the choice of route
-(on the loss log, by path, by count), each route's proof of landing, count shifts in a job, and
-retries; with recorded runs (strace text parsed by the one parser) and hand-made ones as data."""
+(on the loss log, by path, by count), each route's proof of landing, and retries; and of the count
+shifts a job's retries learn (conformance/faults/shifts.py); with recorded runs (strace text parsed by
+the one parser) and hand-made ones as data."""
 from __future__ import annotations
 
 import dataclasses
@@ -135,7 +136,7 @@ def test_an_error_that_hit_another_call_is_a_miss_whatever_the_trainer_did_after
 
 
 def test_a_shifted_count_is_guessed_from_the_most_common_shift_of_its_own_syscall():
-    from conformance.faults.delivery import ShiftGuesses
+    from conformance.faults.shifts import ShiftGuesses
 
     class Run:   # stands in for a planned run: only its identity matters
         pass
@@ -216,7 +217,7 @@ def test_a_count_shift_is_measured_at_the_last_loss_log_write_before_the_point()
     shift at step 1's log says nothing about a point in the save of step 3."""
     import dataclasses as dc
 
-    from conformance.faults.delivery import count_shift
+    from conformance.faults.shifts import count_shift
     from conformance.trace.strace import Syscall
 
     def logs(counts):
@@ -248,7 +249,7 @@ def test_a_point_another_thread_reaches_by_count_is_not_delivered_by_count():
 def test_a_late_kill_shows_the_shift_at_the_planned_operation_itself():
     import dataclasses as dc
 
-    from conformance.faults.delivery import count_shift
+    from conformance.faults.shifts import count_shift
     planned = _run([("write", "s/a", "", "write", 10, False), ("write", "s/.tmp-b", "", "write", 10, False)])
     planned = dc.replace(planned, ops=tuple(dc.replace(o, nth=n) for o, n in zip(planned.ops, (5, 6))))
     landed = _run([("write", "s/a", "", "write", 10, False), ("write", "s/.tmp-c", "", "write", 10, False),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.checks.registry import TABLE_MARKER, markdown_table
+from conformance.report.checks_page import TABLE_MARKER, markdown_table
 from conformance.report.readme import MODULES_MARKER, PAGES, module_table, table_after
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,10 +151,10 @@ def _absolute_imports(tree) -> list[str]:
 
 
 def test_pytest_is_the_plugin_layers_and_hypothesis_stays_above_the_machinery():
-    """pytest is imported only by the modules directly in conformance/ (the plugin, the suite class,
-    the options): every subpackage also runs outside pytest (replay, soak, bench, a fork server's
-    child). Hypothesis draws crash points; trace, run and offline run and rebuild what a drawn
-    point names and never draw one themselves."""
+    """pytest is imported only by the modules directly in conformance/ (the plugin, its report
+    collection, the suite class, the options): every subpackage also runs outside pytest (replay,
+    soak, bench, a fork server's child). Hypothesis draws crash points; trace, run and offline run
+    and rebuild what a drawn point names and never draw one themselves."""
     mixed = []
     for path, tree in _modules("conformance"):
         layer, imported = _layer(_dotted(path)), {name.split(".")[0] for name in _absolute_imports(tree)}
@@ -189,7 +189,7 @@ def test_readme_checks_table_is_the_registry():
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
     assert "\n".join(lines[start:end]) == markdown_table(), \
-        "README's checks table is stale: regenerate it from conformance.checks.registry.markdown_table()"
+        "README's checks table is stale: regenerate it with python -m conformance.report.readme"
 
 
 def test_the_checks_package_names_the_module_of_every_check():
@@ -243,7 +243,8 @@ def test_a_subpackage_docstring_names_each_of_its_modules(package):
 
 def test_the_checks_page_is_generated_and_every_check_says_what_to_change():
     from conformance.checks.fixes import FIXES
-    from conformance.checks.registry import CHECKS, checks_page
+    from conformance.checks.registry import CHECKS
+    from conformance.report.checks_page import checks_page
     assert set(FIXES) == {c.id for c in CHECKS}
     assert (REPO / "docs" / "checks.md").read_text() == checks_page() + "\n", (
         "docs/checks.md is stale: run `python -m conformance.report.readme`")

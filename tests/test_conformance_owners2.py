@@ -64,13 +64,14 @@ def test_by_case_hands_each_kind_of_case_to_its_function():
 
 
 def test_the_docs_name_where_each_check_is_decided():
-    from conformance.checks.registry import CHECKS, checks_page, markdown_table
+    from conformance.checks.registry import CHECKS
+    from conformance.report.checks_page import checks_page, markdown_table
     page = checks_page()
     assert "Decided in `conformance/checks/tiers.py` and `conformance/checks/nodes.py`." in page
     for check in CHECKS:
         assert f"Decided in `{check.decided_in[0]}`" in page
-    row = next(r for r in markdown_table().splitlines() if r.startswith("| `node_loss`"))
-    assert row.endswith("| `conformance/checks/tiers.py`, `conformance/checks/nodes.py` |")
+    row = next(r for r in markdown_table().splitlines() if r.startswith("| [`node_loss`]"))
+    assert "(docs/checks.md#node_loss)" in row   # the README links to the page that says where
 
 
 def test_a_trainer_process_stderr_path_has_one_owner(tmp_path):

@@ -264,7 +264,7 @@ def test_a_flaky_failure_reports_the_failure_inside_it():
     report keeps the check's own message from inside it, not only the headline."""
     from hypothesis.errors import FlakyFailure
 
-    from conformance.plugin import failure_message
+    from conformance.collect import failure_message
     try:
         pytest.fail("[io_error[enospc]] after ENOSPC the trainer exited 1\n  fault: ENOSPC injected", pytrace=False)
     except pytest.fail.Exception as exc:

@@ -11,6 +11,7 @@ import pytest
 
 from conformance.__main__ import build_parser, main
 from conformance.cli import soak
+from conformance.cli.load import Burners
 from conformance.model.settings import PROFILES, SEEDED_PROFILES
 
 REF = "resume_conformance.fixtures.reference_trainer:ADAPTER"
@@ -377,13 +378,13 @@ def _alive(pid: int) -> bool:
 def _record_burners(monkeypatch) -> list:
     """The burner processes soak starts, as it starts them."""
     started = []
-    real = soak.Burners.__enter__
+    real = Burners.__enter__
 
     def enter(self):
         out = real(self)
         started.extend(self.procs)
         return out
-    monkeypatch.setattr(soak.Burners, "__enter__", enter)
+    monkeypatch.setattr(Burners, "__enter__", enter)
     return started
 
 
@@ -427,7 +428,7 @@ def test_a_burner_ends_by_itself_when_soak_dies(tmp_path):
     pid_file = tmp_path / "pid"
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        "from conformance.cli.soak import BURNER\n"
+        "from conformance.cli.load import BURNER\n"
         "import os\n"
         "p = subprocess.Popen([sys.executable, '-S', '-c', BURNER, str(os.getpid())])\n"
         f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"

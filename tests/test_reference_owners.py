@@ -1,7 +1,9 @@
 """One owner per fact in the reference library, each pinned where its former copies disagreed:
 
 - the checkpoints of a directory: `catalog.list_checkpoints` (the DCP manager's `committed_steps` and the
-  node-local manager's `committed_manifests` ask it; the node-local copy followed a link to a directory);
+  node-local manager's `committed_manifests` ask it; the node-local copy followed a link to a directory),
+  over the one scan of a directory for step names, `names.step_entries`, which chain's garbage collection
+  filters for manifests too;
 - the sweep of stale staging directories: `multirank.staging` (the node-local copy failed on a stray file
   under a staging name, the DCP copy reported a file or link removed that it had left);
 - a `keep_last` setting: `retention.check_keep_last` (every copy took True as 1 and 2.5 until retention
@@ -17,6 +19,7 @@ import ast
 import base64
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -62,6 +65,27 @@ def test_one_listing_of_step_directories_serves_both_multi_rank_managers(tmp_pat
     # The node-local manager's own copy followed the link to a directory and counted step 9.
     assert sorted(replicated.committed_manifests(run)) == expected
     assert replicated.committed_manifests(tmp_path / "absent") == {} and committed_steps(tmp_path / "absent") == []
+
+
+def test_chain_garbage_collection_and_the_catalog_scan_a_directory_alike(tmp_path):
+    from resume_conformance.reference.chain import gc
+    for step in (100_000_000, 5, 99_999_999):
+        (tmp_path / names.step_name(step, "chain")).write_text("{}")
+    (tmp_path / "step-7.chain.json").write_text("{}")                 # unpadded: still step 7
+    (tmp_path / names.step_name(8, "chain")).mkdir()                  # a directory is no manifest
+    (tmp_path / f".{names.step_name(9, 'chain')}.tmp-1-0123456789abcdef").write_text("{}")
+    (tmp_path / names.step_name(6)).mkdir()
+    listed = [i.path for i in list_checkpoints(tmp_path, layout="chain")]
+    assert [names.step_of(p.name) for p in listed] == [5, 7, 99_999_999, 100_000_000]
+    assert gc.manifests(tmp_path) == listed
+    assert gc.manifests(tmp_path / "absent") == [] == names.step_entries(tmp_path / "absent")
+
+
+def test_only_names_scans_a_directory_for_step_names():
+    """A second scan would order or filter on its own (by string, say): ask `names.step_entries`."""
+    scanning = sorted(str(path.relative_to(REPO)) for path in (REPO / "reference").rglob("*.py")
+                      if re.search(r"(parse|step_of|is_manifest_name)\((e|entry)\.name\)", path.read_text()))
+    assert scanning == ["reference/names.py"], scanning
 
 
 # -- stale staging directories --------------------------------------------------------------------------

@@ -47,14 +47,7 @@ from ..model.settings import TOTAL_STEPS
 from ..report.readme import replace_section
 from .ab import ab, format_ab, interleaved_trials, median_time, spread
 from .digests import digest_seconds
-
-TARGETS = {"trial_vs_import": ("<=", 0.1), "script_trial_vs_import": ("<=", 0.1),
-           "integrity_states_per_min": (">=", 1000.0),
-           "power_loss_states_per_min": (">=", 1000.0), "ci_profile_seconds": ("<=", 90.0),
-           "multirank_trial_vs_single": ("<=", 3.0), "multirank_ci_profile_seconds": ("<=", 300.0),
-           "multinode_trial_vs_bare_pair": ("<=", 2.0), "digest_cost": ("<=", 0.05)}
-MULTIRANK_ADAPTER = "resume_conformance.fixtures.ddp_trainer:ADAPTER"
-_MARKER = "<!-- conformance-bench -->"
+from .targets import MARKER, MULTIRANK_ADAPTER, TARGETS, format_markdown, met
 
 
 def bare_import_seconds(repeats: int) -> tuple[float, list[float]]:
@@ -294,7 +287,7 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version()},
         },
     }
-    result["targets_met"] = {k: _met(k, result[k]) for k in TARGETS}
+    result["targets_met"] = {k: met(k, result[k]) for k in TARGETS}
     return result
 
 
@@ -304,64 +297,6 @@ def _torch_version() -> str | None:
     return out.stdout.strip() or None
 
 
-def _met(key: str, value: float | None) -> bool | None:
-    if value is None:
-        return None
-    op, target = TARGETS[key]
-    return value <= target if op == "<=" else value >= target
-
-
-def format_markdown(r: dict[str, Any], command: str) -> str:
-    d = r["details"]
-    ci = d.get("ci") or {}
-    rows = [
-        ("`trial_vs_import`", f"{r['trial_vs_import']:.3f}", "<= 0.1",
-         f"warm trial {d['warm_trial_s'] * 1000:.0f} ms / bare `import torch` {d['bare_import_torch_s'] * 1000:.0f} ms "
-         f"(fresh-interpreter trial {d['fresh_trial_s']:.2f} s, {d['fresh_vs_warm']:.0f}x the warm one)"),
-        ("`script_trial_vs_import`", f"{r['script_trial_vs_import']:.3f}", "<= 0.1",
-         f"the same trial with the trainer given as `python train.py`: {d['script_trial_s'] * 1000:.0f} ms"),
-        ("`integrity_states_per_min`", f"{r['integrity_states_per_min']:.0f}", ">= 1000",
-         f"{d['crash_states']} crash states in {d['crash_states_seconds']:.1f} s, {d['state_workers']} at a time"),
-        ("`power_loss_states_per_min`", f"{r['power_loss_states_per_min']:.0f}", ">= 1000",
-         f"{d['power_loss_states']} power-loss states (data and strict models) in {d['power_loss_seconds']:.1f} s"),
-    ]
-    if r["ci_profile_seconds"] is not None:
-        rows.append(("`ci_profile_seconds`", f"{r['ci_profile_seconds']:.1f}", "<= 90",
-                     f"{ci.get('summary', '')}; every fs op of a save covered: "
-                     f"{'yes' if ci.get('covers_every_fs_op_of_a_save') else 'NO'} "
-                     f"({ci.get('crash_states_checked', 0)} states / {ci.get('recorded_operations', 0)} recorded ops)"))
-    else:
-        rows.append(("`ci_profile_seconds`", "not run", "<= 90", "--no-ci"))
-    lo, hi = d.get("multirank_trial_vs_single_spread") or (r["multirank_trial_vs_single"],) * 2
-    rows.append(("`multirank_trial_vs_single`", f"{r['multirank_trial_vs_single']:.2f}", "<= 3.0",
-                 f"2-rank trial ({d['multirank_trial_schedule']}) {d['multirank_trial_s'] * 1000:.0f} ms / "
-                 f"single-process warm trial {d['warm_trial_s'] * 1000:.0f} ms, alternating; median of the "
-                 f"per-pair ratios, spread {lo:.2f}..{hi:.2f}"))
-    mci = d.get("multirank_ci") or {}
-    rows.append(("`multirank_ci_profile_seconds`", "not run" if r["multirank_ci_profile_seconds"] is None
-                 else f"{r['multirank_ci_profile_seconds']:.1f}", "<= 300",
-                 f"`ci` against `{MULTIRANK_ADAPTER}` with `-n auto`: {mci.get('summary', '--no-ci')}"))
-    lo, hi = d.get("multinode_trial_vs_bare_pair_spread") or (r["multinode_trial_vs_bare_pair"],) * 2
-    rows.append(("`multinode_trial_vs_bare_pair`", f"{r['multinode_trial_vs_bare_pair']:.2f}", "<= 2.0",
-                 f"2-node x 2-rank trial ({d['multinode_trial_schedule']}) {d['multinode_trial_s'] * 1000:.0f} ms / "
-                 f"bare 4-rank torchrun pair (stopped after step {d['bare_pair_stop_after']}, resumed) "
-                 f"{d['bare_pair_s'] * 1000:.0f} ms, alternating; median of the per-pair ratios, spread "
-                 f"{lo:.2f}..{hi:.2f} ({d['multinode_trial_vs_single']:.1f}x the single-process warm trial)"))
-    rows.append(("`digest_cost`", f"{r['digest_cost']:.4f}", "<= 0.05", f"state digest {d['digest_per_step_s'] * 1e3:.2f} "
-                 f"ms x {TOTAL_STEPS // 3 + 1} (save steps, and after the resume) + a 14-step curve's comparison "
-                 f"{d['digest_compare_per_curve_s'] * 1e3:.3f} ms x 3, per warm trial of {d['warm_trial_s'] * 1000:.0f} ms"))
-    met = r["targets_met"]
-    lines = ["| measure | value | target | met | how |", "|---|---:|---:|:---:|---|"]
-    for (name, value, target, how), key in zip(rows, TARGETS):
-        mark = "-" if met[key] is None else "yes" if met[key] else "no"
-        lines.append(f"| {name} | {value} | {target} | {mark} | {how} |")
-    la = d["load_avg_before_after"]
-    lines += ["", f"Command: `{command}` · {d['machine']['cpus']} cores · Python {d['machine']['python']} · "
-                  f"torch {d['machine']['torch']} · medians of {d['repeats']} (fresh: {d['fresh_repeats']}) · "
-                  f"1-minute load average {la[0]} before, {la[1]} after."]
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m conformance.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -369,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=7, help="warm trials and bare imports (median)")
     parser.add_argument("--fresh-repeats", type=int, default=3, help="fresh-interpreter trials (median)")
     parser.add_argument("--no-ci", action="store_true", help="skip the ci-profile run (it takes a minute)")
-    parser.add_argument("--update-readme", metavar="PAGE", help=f"replace the section after {_MARKER} in this "
+    parser.add_argument("--update-readme", metavar="PAGE", help=f"replace the section after {MARKER} in this "
                         "Markdown page (docs/benchmarks.md)")
     parser.add_argument("--ab", metavar="OLD_CHECKOUT", help="only the warm crash trial, this checkout against "
                         "the one at OLD_CHECKOUT (e.g. a `git worktree add` of an older commit), alternating: "
@@ -387,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.repeats, args.fresh_repeats, not args.no_ci)
     command = "python -m conformance.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.update_readme:
-        replace_section(Path(args.update_readme), _MARKER, format_markdown(result, command.strip()))
+        replace_section(Path(args.update_readme), MARKER, format_markdown(result, command.strip()))
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -22,7 +22,9 @@
 | legacy.py | schema_migration |
 
 node_loss has two cases: a cold tier (tiers.py) and node-local storage in a job of several nodes
-(nodes.py). Shared by them: session.py (one trainer's baselines and work directories), common.py (loss
+(nodes.py). Shared by them: session.py (one trainer's baselines and cached runs), noise.py (how noisy
+its uninterrupted runs are: whether two agree, by how much, and the tolerance that earns), scratch.py
+(where its runs keep their checkpoint directories: CONFORMANCE_SCRATCH), common.py (loss
 comparisons and plots), tolerance.py (how exact a comparison is, learned from the trainer's noise),
 digests.py (state digests compared component by component), diagnosis.py (the likely cause of a
 resume that differs), registry.py

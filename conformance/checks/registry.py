@@ -1,9 +1,9 @@
 """The one list of checks: each id, its parameters, what it needs, the function that decides it,
-how `replay` reruns it, and a one-line description.
+how `replay` reruns it, a short title and a full summary.
 
 suite.py builds its test methods from this table, `python -m conformance replay` its options,
-the expected-failures file is validated against it, reports and the README's checks table are
-rendered from it, and the broken-fixture catalogue is checked against it.
+the expected-failures file is validated against it, reports and the docs' check pages
+(report/checks_page.py) are rendered from it, and the broken-fixture catalogue is checked against it.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from . import (
     upgrade,
 )
 from .failures import ConformanceFailure, stderr_tail
-from .fixes import CAUSE_FIXES, FIXES, fix_line
+from .fixes import fix_line
 from .session import Session
 
 
@@ -65,6 +65,7 @@ class ByCase:
 @dataclasses.dataclass(frozen=True)
 class Check:
     id: str
+    title: str                         # one short line: the README's table (docs/checks.md has the summary)
     summary: str
     run: Callable                      # run(session, check_id, spec, param, case), or a ByCase
     params: tuple[str, ...] = ()
@@ -138,41 +139,41 @@ def _no_lost_work_points(baseline, where: str) -> st.SearchStrategy[Schedule]:
 
 
 CHECKS: tuple[Check, ...] = (
-    Check("determinism_precondition",
+    Check("determinism_precondition", "two uninterrupted runs give the same losses and filesystem operations",
           "two uninterrupted runs agree: the same losses and the same filesystem operations (names that "
           "differ between runs, such as random temp names, are learned and allowed); otherwise the resume "
           "checks skip",
           determinism.determinism_precondition, precondition="none"),
-    Check("resume_matches_baseline",
+    Check("resume_matches_baseline", "after any crash schedule, every loss matches the uninterrupted run",
           "after any crash schedule (plain kills, nothing corrupted) the trainer finishes with exit 0 and "
           "every loss it logs matches the uninterrupted run: bit for bit when its two uninterrupted runs are, "
           "else within the tolerance learned from their noise (at most --loss-tol)",
           schedules.resume_matches_baseline, needs=("trace",),
           precondition="operations", draw=lambda b, _: strategies.schedules(b, max_crashes=2), case=_SCHEDULE),
-    Check("no_lost_work",
+    Check("no_lost_work", "a restart resumes from the newest checkpoint committed before the kill",
           "after each crash it resumes from the newest checkpoint committed before the kill, not an older "
           "one or from scratch: killed right after a save (is the newest one found?) or inside a save (is "
           "the previous one kept while the next is written?)",
           schedules.no_lost_work, params=("between_saves", "inside_save"),
           needs=("trace",), precondition="operations", draw=_no_lost_work_points, case=_SCHEDULE),
-    Check("no_torn_state",
+    Check("no_torn_state", "after a kill inside a save, it resumes from a complete checkpoint",
           "after a kill inside a save, the next process resumes from a complete checkpoint (the previous or "
           "the interrupted one) and matches the baseline, or at least a plain resume from that checkpoint",
           schedules.no_torn_state, needs=("trace",), precondition="operations",
           draw=lambda b, _: strategies.in_save_points(b).map(lambda p: (p,)), case=_SCHEDULE),
-    Check("crash_states",
+    Check("crash_states", "every state a kill can leave, rebuilt offline, resumes correctly",
           "every state a kill can leave during a whole run (before each recorded filesystem operation, and "
           "with each write torn in half), rebuilt offline from one recording: the trainer resumes from the "
           "newest committed checkpoint (or the interrupted one, if complete) and its next step matches",
           states.crash_states_check, needs=("trace",), case=_STATE),
-    Check("power_loss",
+    Check("power_loss", "every state a power cut can leave (only fsynced data kept) resumes correctly",
           "every state a power cut before a recorded operation leaves, rebuilt offline: `data` keeps only "
           "fsynced bytes (directory operations persist in order), `strict` also rolls back directory entries "
           "whose directory was not fsynced after them; the trainer never loads bad data, never crash-loops "
           "while an intact checkpoint exists, and resumes from at least the newest save that had completed "
           "(the next step was logged)",
           power.power_loss, params=("data", "strict"), needs=("trace",), case=_STATE),
-    Check("io_error",
+    Check("io_error", "ENOSPC or EIO inside a save is reported or retried, never committed as if written",
           "a write, fsync, rename or mkdir of a save fails with ENOSPC or EIO: the trainer exits non-zero "
           "naming the error, or goes on training and commits that step's save after all (a retry) before its "
           "next save, never exit 0 without it; it never renames a file into place after its fsync failed "
@@ -180,79 +181,79 @@ CHECKS: tuple[Check, ...] = (
           "matches the baseline",
           storage.io_error, params=("enospc", "eio"), needs=("trace",),
           precondition="operations", draw=strategies.error_points, case=_POINT),
-    Check("preemption",
+    Check("preemption", "SIGTERM, then SIGKILL after a grace period: no early exit 0, a correct resume",
           "SIGTERM at a step or inside a save, SIGKILL after --grace-seconds: the trainer never exits 0 before "
           "TOTAL_STEPS, and the next start resumes correctly; with capability `preemption_save` it exits within "
           "the grace period and the next start loses no step",
           preemption.preemption, needs=("trace",), precondition="operations",
           draw=lambda b, _: strategies.term_points(b), case=_POINT),
-    Check("interrupt",
+    Check("interrupt", "Ctrl-C mid-save: it exits within the grace period and resumes correctly",
           "Ctrl-C's SIGINT at a step or inside a save (a background save's too; a job's whole process group), "
           "so KeyboardInterrupt runs every handler mid-save: the trainer exits within --grace-seconds and not 0 "
           "before TOTAL_STEPS, and the next start resumes from at least the newest committed checkpoint and "
           "matches (no torn or mixed state committed)",
           interrupt.interrupt, needs=("trace",), precondition="operations",
           draw=lambda b, _: strategies.term_points(b), case=_POINT),
-    Check("compound_faults",
+    Check("compound_faults", "a crash, then the newest checkpoint damaged: it falls back safely",
           "a kill (`kill_then_damage`) or a power cut (`power_then_damage`) inside a save, then the newest "
           "committed checkpoint damaged: the next start falls back to the checkpoint the trainer's own retention "
           "kept beside it in the uninterrupted run (or newer, intact) and matches; with nothing kept, it may "
           "start over or exit non-zero, never train on the damage",
           compound.compound_faults, params=compound.PARAMS, needs=("trace",), draw=compound.draw_state, case=_STATE),
-    Check("restart_after_finish",
+    Check("restart_after_finish", "started again after finishing: it exits 0 and trains no step twice",
           "after an uninterrupted run, the trainer started again with the same environment exits 0 and trains "
           "no step its newest checkpoint holds; any step it trains matches the baseline; for the run as given and "
           "for one lengthened to end on its save cadence, whose last step is checkpointed",
           lifecycle.restart_after_finish, needs=("trace",)),
-    Check("extend_run",
+    Check("extend_run", "a larger total after a finished run trains the new steps exactly",
           "after a run to TOTAL_STEPS, a start with a larger total trains the new steps, and their losses equal "
           "a fresh run to the larger total",
           lifecycle.extend_run, needs=("trace", "extendable")),
-    Check("upgrade_resume",
+    Check("upgrade_resume", "checkpoints resume across a dependency upgrade and a rollback",
           "checkpoints cross a dependency change (--resume-python=PATH: another torch, numpy, transformers or "
           "trainer library): saved here and resumed under PATH (`rollback`), saved under PATH and resumed here "
           "(`upgrade`); each resume matches the baseline of the environment that resumes, never refuses or crashes",
           upgrade.upgrade_resume, params=upgrade.PARAMS, needs=("resume_python",)),
-    Check("rank_resume",
+    Check("rank_resume", "one rank killed at a step: every rank resumes from that step on its own curve",
           "one rank of a multi-rank job killed at a step boundary: every rank resumes from the same step and "
           "every rank's loss matches that rank's own uninterrupted curve (a rank whose RNG or data position "
           "was not restored is named even when rank 0 is fine)",
           ranks.rank_resume, needs=("trace", "multirank"), precondition="operations",
           draw=lambda b, _: strategies.step_points(b, nodes=True), case=_POINT),
-    Check("all_or_nothing",
+    Check("all_or_nothing", "one rank killed inside a save: only checkpoints every rank finished are used",
           "one rank of a multi-rank job killed inside a save, at any operation of any rank: the next start "
           "uses only a checkpoint every rank finished (never a mix of two steps' shards), every rank from the "
           "same one, and every rank's loss matches its own uninterrupted curve",
           ranks.all_or_nothing, needs=("trace", "multirank"),
           precondition="operations", draw=lambda b, _: strategies.save_end_points(b, nodes=True), case=_POINT),
-    Check("elastic_restart",
+    Check("elastic_restart", "torchrun restarts the workers in place and they resume correctly",
           "one rank of a multi-rank job killed inside a save, the job launched with torchrun's --max-restarts=1: "
           "torchrun restarts the workers in place (no new job), and they resume from at least the newest "
           "checkpoint committed before the kill, every rank from the same one, each on its own uninterrupted "
           "curve, and the job exits 0",
           elastic.elastic_restart, needs=("trace", "multirank"),
           precondition="operations", draw=lambda b, _: elastic.restart_points(b), case=_POINT),
-    Check("hang",
+    Check("hang", "a rank frozen inside a save: the job ends within --hang-timeout, never hangs",
           "one rank of a multi-rank job frozen (SIGSTOP) inside a save: the job notices (a rank's collective times "
           "out) and ends within --hang-timeout, never hangs; after the stopped rank is killed the next start resumes "
           "from at least the newest committed checkpoint and matches",
           hang.hang, needs=("trace", "multirank"), precondition="operations",
           draw=lambda b, _: strategies.in_save_points(b), case=_POINT),
-    Check("reshard",
+    Check("reshard", "saved with W ranks, resumed with 1 (and back): same step, same global loss",
           "save with W ranks and resume with 1 (`shrink`), save with 1 and resume with W (`grow`): the job "
           "resumes at the saved step and the global loss (the mean of the ranks') matches the W-rank run",
           ranks.reshard, params=("shrink", "grow"), needs=("trace", "multirank", "reshard")),
-    Check("corruption_detected",
+    Check("corruption_detected", "a truncated, bit-flipped or deleted file is detected, never trained on",
           "each file a resume from the newest checkpoint reads (a chained checkpoint's base pieces too), one "
           "per resume, is truncated, bit-flipped (top exponent bit of every float tensor's first element) or "
           "deleted: the trainer falls back to an intact checkpoint and matches, or exits non-zero with a "
           "message, never exit 0 on a diverging curve",
           damage.corruption_detected, params=KINDS, needs=("trace",), case=_FILE),
-    Check("untrusted_checkpoint",
+    Check("untrusted_checkpoint", "a malicious pickle in a checkpoint never runs",
           "each file of the newest checkpoint in turn is replaced by a pickle that runs code when loaded; "
           "that code must never run",
           untrusted.untrusted_checkpoint, needs=("trace",), precondition="none"),
-    Check("node_loss",
+    Check("node_loss", "a lost checkpoint directory or node: it resumes from what survives",
           "killed just before any change to the cold tier (an upload, a marker, a deletion; or not at all), then "
           "the checkpoint directory is wiped: the next start resumes from the cold tier, from at least the save "
           "before the newest one logged before the kill, and matches the baseline. With node-local storage in a "
@@ -262,18 +263,18 @@ CHECKS: tuple[Check, ...] = (
           # the cold-tier case (a number) or the multi-node case (a node point), by what was drawn
           ByCase(((int, tiers.node_loss), (object, nodes.node_loss))), needs=("trace", "lost_node_storage"),
           draw=lambda b, _: _node_loss_cases(b), case=_LOST_AT),
-    Check("branch_resume",
+    Check("branch_resume", "resumed from an older checkpoint: it matches and keeps the original line intact",
           "after a whole run, resumed from an older checkpoint (CONFORMANCE_RESUME_FROM: the best one by the metric "
           "it logs, with capability keep_best): it resumes at that step, its new curve matches the baseline, and "
           "every file of the original line is still there byte for byte",
           tiers.branch_resume, needs=("trace", "resume_from")),
-    Check("demotion_safe",
+    Check("demotion_safe", "a crash or a corrupt cold copy never costs a loadable checkpoint",
           "killed just before any change to the cold tier, or one object it writes silently corrupted, then run to "
           "the end: resumed from the checkpoint branch_resume asks for (CONFORMANCE_RESUME_FROM), it still loads and "
           "matches the baseline; a hot copy is never deleted before its cold copy is verified",
           tiers.demotion_safe, needs=("trace", "cold_tier", "resume_from"),
           draw=lambda b, _: tiers.fault_points(b), case=_COLD_FAULT),
-    Check("schema_migration",
+    Check("schema_migration", "legacy samples load and resume at their step",
           "legacy samples load, and the run resumes at their step and matches the baseline",
           legacy.schema_migration, needs=("legacy_samples",), precondition="none",
           case=CaseOption("legacy", "one legacy sample, by name")),
@@ -334,37 +335,6 @@ def skip_reason(check: Check, session: Session, spec: RunSpec) -> str | None:
 
 def case_text(check: Check, case: object) -> str:
     return format_schedule(case) if check.case is _SCHEDULE else str(case)
-
-
-TABLE_MARKER = "<!-- checks-table -->"
-
-
-def markdown_table() -> str:
-    """The README's checks table, generated from this registry (a test keeps the README in step)."""
-    rows = ["| check id | what it asserts | needs | decided in |", "|---|---|---|---|"]
-    for c in CHECKS:
-        ids = f"`{c.id}[{'|'.join(c.params)}]`".replace("|", "\\|") if c.params else f"`{c.id}`"
-        needs = [{"trace": "strace", "multirank": "world size >= 2", "resume_python": "`--resume-python`",
-                  "lost_node_storage": "capability `cold_tier`, or `node_local_storage` with `--nnodes` >= 2"}
-                 .get(n, f"capability `{n}`") for n in c.needs]
-        if c.precondition != "none":
-            needs.append("deterministic " + ("losses and operations" if c.precondition == "operations" else "losses"))
-        rows.append(f"| {ids} | {c.summary} | {', '.join(needs) or '-'} | {', '.join(f'`{m}`' for m in c.decided_in)} |")
-    return "\n".join(rows)
-
-
-def checks_page() -> str:
-    """docs/checks.md: every check, what it asserts and what to change when it fails (the `fix:` line
-    of its failures links here)."""
-    out = ["# The checks, and what to change when one fails", "",
-           "Generated from `conformance/checks/registry.py` and `conformance/checks/fixes.py` by",
-           "`python -m conformance.report.readme`. A failure's `fix:` line links to its check's section.", ""]
-    for c in CHECKS:
-        cases = f" Cases: {', '.join(f'`{c.id}[{p}]`' for p in c.params)}." if c.params else ""
-        out += [f"## `{c.id}`", "", f"What it asserts: {c.summary}.{cases}", "", f"Fix: {FIXES[c.id]}.", ""]
-        out += [line for f in CAUSE_FIXES if f.check == c.id for line in (f"Fix when {f.cause}: {f.fix}.", "")]
-        out += [f"Decided in {' and '.join(f'`{m}`' for m in c.decided_in)}.", ""]
-    return "\n".join(out)
 
 
 # Conformance levels: a one-line claim for a README or a model card. A level is met when every one

@@ -1,17 +1,18 @@
 """What the checks share within one pytest session: the trainer, its runner, and every run they
 would otherwise repeat (baselines, the determinism run, the prefix run, plain resumes). Each cached
-value is a pure function of (adapter, spec): computed once, then read."""
+value is a pure function of (adapter, spec): computed once, then read.
+
+What two uninterrupted runs say of the trainer's noise is noise.py's to judge, and where the runs
+keep their checkpoint directories scratch.py's to choose: this module runs, caches and hands out."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 import threading
 from pathlib import Path
 
 from ..faults.scenario import CrashNotLanded, CrashPointMissing, run_schedule
-from ..model import evidence
 from ..model.adapters import TrainerAdapter
 from ..model.crash import CrashPoint
 from ..model.flags import replay_settings
@@ -20,31 +21,12 @@ from ..model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TO
 from ..run.fresh import SubprocessRunner
 from ..run.runners import Limits, ProcessOverran, Runner, traced_run
 from ..run.warm import WarmRunner
-from ..trace import alignment
 from ..trace.recording import RecordedRun
 from ..trace.strace import strace_problem
-from . import digests
-from .failures import ConformanceFailure, fail, format_mismatches, loss_mismatches, max_abs_diff, stderr_tail
-from .tolerance import Tolerance, learned
-
-SCRATCH_MIN_FREE = 2 << 30
-# Two uninterrupted runs of a job start alike, so they agree bit for bit; a resumed job of more than
-# two ranks sums its gradients in another order on its first steps (DDP rebuilds its buckets after the
-# first backward), and a + b + c differs from a + c + b in the last bit (measured with the bundled DDP
-# trainer as 4 ranks on 2 nodes: docs/running.md). Two ranks add in one order.
-MANY_RANKS = ("a job of more than two ranks reduces its gradients in another order after any restart, so its "
-              "resumes need not be bitwise equal even where its uninterrupted runs are")
-
-
-@dataclasses.dataclass(frozen=True)
-class Determinism:
-    """Whether two uninterrupted runs agree, in losses and in filesystem operations."""
-
-    losses_problem: str | None
-    operations_problem: str | None
-    alignment: alignment.Alignment
-    evidence: evidence.Determinism
-    tolerance: Tolerance        # learned from the two runs' largest |diff|
+from . import digests, noise
+from .failures import ConformanceFailure, fail, loss_mismatches, stderr_tail
+from .scratch import scratch_root
+from .tolerance import Tolerance
 
 
 class Session:
@@ -227,7 +209,9 @@ class Session:
                                 "(one JSON line per step), so each rank's curve can be compared with its own "
                                 "baseline\n  stderr:\n" + stderr_tail(run.result.stderr))
 
-    def determinism(self, spec: RunSpec) -> Determinism:
+    def determinism(self, spec: RunSpec) -> noise.Determinism:
+        """Whether this trainer's uninterrupted runs of `spec` agree, and how noisy they are
+        (noise.measure): the baseline and the second run, measured once."""
         return self._cached(("determinism", spec), lambda: self._determinism(spec))
 
     def tolerance(self, spec: RunSpec) -> Tolerance:
@@ -245,37 +229,10 @@ class Session:
             return max((d.tolerance for d in known), key=lambda t: t.value)
         return owner.determinism(spec).tolerance
 
-    def _determinism(self, spec: RunSpec) -> Determinism:
+    def _determinism(self, spec: RunSpec) -> noise.Determinism:
         base = self.baseline(spec)
-        again = self.second_run(spec)
-        rows = loss_mismatches(base.losses, again.losses, self.cap)
-        losses = None
-        if (rows or set(again.losses) != set(base.losses)) and self._warm_again_agrees(spec, base):
-            losses = process_dependence(rows)
-        elif rows or set(again.losses) != set(base.losses):
-            losses = "not deterministic without interruption: two uninterrupted runs differ\n" + format_mismatches(rows)
-        lined_up = alignment.align_job(base, again)
-        operations = None
-        if lined_up.divergence is not None and self.trace_problem() is None:
-            operations = ("the filesystem operations of two uninterrupted runs differ, so a crash point "
-                          "cannot be replayed exactly (threads racing in a save, or names that are neither "
-                          "a function of the step nor fresh per run)\n    "
-                          + lined_up.divergence.describe("run 1", "run 2"))
-        noise = run_noise(base, again)
-        tolerance = learned(None if losses else noise, self.cap, comparable_digests(base, again))
-        if spec.world_size > 2 and tolerance.exact:
-            tolerance = dataclasses.replace(tolerance, value=self.cap, reason=MANY_RANKS)
-        logged = {n for curve in (base.result.rank_losses or (base.losses,)) for d in getattr(curve, "states", {}).values()
-                  for n in d}
-        numbers = evidence.Determinism(
-            spec=spec.describe(), exit_codes=(base.result.returncode, again.result.returncode),
-            steps=len(base.losses), max_abs_diff=noise, tolerance=tolerance.value, basis=tolerance.describe(),
-            digests_left_out=tuple(sorted(logged - set(tolerance.digests))),
-            mismatches=evidence.mismatch_rows(rows[:10]), operations=len(base.mutations),
-            run_random_names=tuple(n.describe() for n in lined_up.names),
-            divergence=lined_up.divergence.describe("run 1", "run 2") if lined_up.divergence else "",
-            retention_varies=alignment.retention_outcome(base, again))
-        return Determinism(losses, operations, lined_up, numbers, tolerance)
+        return noise.measure(spec, base, self.second_run(spec), self.cap, traced=self.trace_problem() is None,
+                             warm_again_agrees=lambda: self._warm_again_agrees(spec, base))
 
     def _warm_again_agrees(self, spec: RunSpec, base: RecordedRun) -> bool:
         """With a warm runner whose fresh run differed from the baseline: whether another warm run
@@ -345,56 +302,3 @@ class Session:
         return (bool(plain) and bool(losses) and set(losses) <= set(plain)
                 and not loss_mismatches(plain, losses, tol.value)
                 and digests.first_state_mismatch(plain, losses, tol.digests) is None)
-
-
-def comparable_digests(base: RecordedRun, again: RecordedRun) -> tuple[str, ...]:
-    """State components both uninterrupted runs log with equal digests at every step: for a job,
-    on every rank (digests.comparable)."""
-    curves = list(zip(base.result.rank_losses, again.result.rank_losses)) or [(base.losses, again.losses)]
-    found = [set(digests.comparable(a, b)) for a, b in curves]
-    return tuple(sorted(set.intersection(*found))) if found else ()
-
-
-def run_noise(base: RecordedRun, again: RecordedRun) -> float | None:
-    """The largest |diff| between two uninterrupted runs: the global curve's and, for a job, each
-    rank's own (a rank can differ where the mean of the ranks does not)."""
-    pairs = [(base.losses, again.losses)] + list(zip(base.result.rank_losses, again.result.rank_losses))
-    diffs = [d for a, b in pairs if (d := max_abs_diff(a, b)) is not None]
-    return max(diffs) if diffs else None
-
-
-def process_dependence(rows) -> str:
-    """determinism_precondition's failure when a fresh interpreter's uninterrupted run differs from
-    the warm runner's, which another warm run repeats (rows: loss_mismatches, fresh against warm)."""
-    first = (f"from step {rows[0][0]} ({rows[0][1]:.8g} in the warm run, {rows[0][2]:.8g} in the fresh one)"
-             if rows and rows[0][1] is not None else "in which steps it logged")
-    return ("not deterministic across processes: a fresh interpreter's uninterrupted run differs from the warm "
-            f"runner's {first}; the trainer depends on the process it runs in (the order of a set or dict of "
-            "strings and hash() change with each interpreter's hash secret; a generator seeded from the OS, such as "
-            "random.Random() or numpy's default_rng() without a seed, draws differently; the environment), so "
-            "every real restart gives it another curve\n" + format_mismatches(rows, columns=("warm", "fresh")))
-
-
-def scratch_root(workdir: Path) -> Path:
-    """Where trainer processes keep their checkpoint directories during a session.
-
-    CONFORMANCE_SCRATCH=workdir (default): the session's work directory. A path: a directory
-    under it. `auto`: tmpfs (/dev/shm) when it has at least SCRATCH_MIN_FREE bytes free. Not the
-    default, because the filesystem can change what a trainer does: Lightning's temp file lives in
-    the system temp directory, and when the checkpoint directory is on another filesystem its
-    "atomic" move becomes an in-place copy."""
-    choice = os.environ.get("CONFORMANCE_SCRATCH", "workdir")
-    if choice == "workdir":
-        return workdir
-    if choice != "auto":
-        path = Path(choice)
-        path.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix="conformance-", dir=path))
-    shm = Path("/dev/shm")
-    try:
-        st = os.statvfs(shm)
-        if st.f_bavail * st.f_frsize >= SCRATCH_MIN_FREE and os.access(shm, os.W_OK):
-            return Path(tempfile.mkdtemp(prefix="conformance-", dir=shm))
-    except OSError:
-        pass
-    return workdir

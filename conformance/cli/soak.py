@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import os
 import re
 import secrets
 import shlex
@@ -36,6 +35,7 @@ from pathlib import Path
 from hypothesis import settings as _hypothesis_settings
 
 from ..model.settings import EXAMPLE_DB_PROBLEM, GATE_PROFILE, OLD_PROFILE_NAMES, PROFILES, SEEDED_PROFILES
+from .load import Burners, load_text
 
 DEFAULT_SOAK = "resume_conformance.fixtures:CORRECT_TRAINERS"   # adapter specs of the project's correct trainers
 RANDOM_SUFFIX = "-random"
@@ -45,11 +45,6 @@ USAGE = "python -m conformance soak: error: "
 for _name in PROFILES:
     _hypothesis_settings.register_profile(_name + RANDOM_SUFFIX, parent=_hypothesis_settings.get_profile(_name),
                                           derandomize=False, database=None)
-
-# A busy loop that also ends when its parent (soak, whose pid is its argument) is gone, even if soak
-# was SIGKILLed, and even before the loop began (its own parent read at start-up would then be init).
-BURNER = ("import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
-          "    for _ in range(200000):\n        pass\n")
 
 
 class SoakUsageError(ValueError):
@@ -259,39 +254,6 @@ def _check_trainer(trainer: Trainer, world_size: str | None, nnodes: str | None 
         raise error from None
 
 
-class Burners:
-    """`n` busy-loop processes, for as long as the `with` block runs (they also end if soak dies)."""
-
-    def __init__(self, n: int, *, argv: list[str] | None = None):
-        self.n = n
-        self.argv = argv or [sys.executable, "-S", "-c", BURNER, str(os.getpid())]
-        self.procs: list[subprocess.Popen] = []
-
-    def __enter__(self):
-        try:
-            for _ in range(self.n):
-                self.procs.append(subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                   stderr=subprocess.DEVNULL))
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 @dataclasses.dataclass
 class Outcome:
     counts: dict[str, int]
@@ -310,14 +272,6 @@ def run_pytest(cmd: list[str], run_dir: Path) -> Outcome:
     # but is a flaw of the suite's: a soak counts it as a failure.
     return Outcome(loaded.counts, [(c.check, c.message) for c in loaded.failed]
                    + [(c.check, f"{found.summary()}\n{found.warm}") for c, found in loaded.disagreements])
-
-
-def load_text() -> str:
-    try:
-        one, five, fifteen = os.getloadavg()
-    except OSError:
-        return "load average unavailable"
-    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min) on {os.cpu_count()} CPU(s)"
 
 
 def _slug(text: str) -> str:

@@ -5,19 +5,18 @@ A fault (a KILL, an injected errno, a SIGTERM) is planned on a process's own uni
 process is faulted by count. In a multi-rank job, counts drift (gloo's wake-up writes) and a
 background writer's calls race the main thread's to the same count, so a job's fault goes by path
 where it can (strace -P on a path every run shares, counting only the calls on it), and otherwise
-by count, shifted by what earlier attempts showed and retried on a restored directory. Either way
-the faulted run is traced and the landing checked before anything is judged.
+by count, shifted by what earlier attempts showed (shifts.py) and retried on a restored directory.
+Either way the faulted run is traced and the landing checked before anything is judged.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
-import weakref
 from pathlib import Path
 
 from ..model.crash import CrashPoint
 from ..model.process import ProcessResult
 from ..trace import alignment, recording, strace
+from .shifts import SHIFTS, count_shift
 
 
 class CrashNotLanded(AssertionError):
@@ -94,7 +93,7 @@ def check_landed(kill: PlannedKill, planned: recording.RecordedRun, landed: reco
             "that are neither a function of the step nor fresh per run)")
 
 
-# A job's kill is delivered at most this often (see count_shift).
+# A job's kill is delivered at most this often (see shifts.count_shift).
 DELIVERY_ATTEMPTS = 8
 
 
@@ -108,96 +107,14 @@ def check_landed_on_log(kill: PlannedKill, landed: recording.RecordedRun) -> Non
                                 f"it hit {hit.describe()} after step {hit.after_step} was logged"))
 
 
-def count_shift(kill: PlannedKill, planned: recording.RecordedRun, landed: recording.RecordedRun) -> int | None:
-    """How many more calls of the kill's syscall a rank made in `landed` than in its planned run
-    before the point, measured as near the point as the landed run allows; None if that cannot
-    be told.
-
-    A job's ranks make `write` calls whose number depends on timing (gloo wakes its I/O loop with
-    a one-byte pipe write while it connects a process group, and in collectives), so a count
-    planned on one run is off by a small amount in another, an amount that changes during the run.
-    Nearest first: the planned operation itself, when the landed run went past it (a late kill);
-    the operation the fault hit, when it came early; else the last loss-log write of the same
-    thread before the point."""
-    k = kill.mutations_before
-    target = planned.ops[planned.mutations[k]] if not kill.point.at_step and k < len(planned.mutations) else None
-    hit = landed.killed_op() or landed.failed_op() or landed.signalled_op()
-    if target is not None and k < len(landed.mutations):
-        same = landed.ops[landed.mutations[k]]
-        if same.syscall == target.syscall and not (same.killed or same.error or same.signalled):
-            return same.nth - target.nth          # the kill came later: the target's own count
-    if hit is not None and hit.syscall == kill.syscall:
-        if hit.kind == "log":
-            same_log = planned.step_logs.get(hit.after_step + 1)   # the step it was logging
-            if same_log is not None and same_log.name == hit.syscall:
-                return hit.nth - same_log.nth
-        else:
-            done = [i for i in landed.mutations if i < hit.index]
-            if len(done) < len(planned.mutations):
-                same_op = planned.ops[planned.mutations[len(done)]]
-                if same_op.syscall == hit.syscall:
-                    return hit.nth - same_op.nth
-    before = kill.point.index if kill.point.at_step else target.after_step if target else 0
-    anchors = [s for s, sc in planned.step_logs.items()
-               if s <= before and s in landed.step_logs and sc.name == kill.syscall == landed.step_logs[s].name
-               and (target is None or sc.tid == target.tid)]
-    if anchors:
-        s = max(anchors)
-        return landed.step_logs[s].nth - planned.step_logs[s].nth
-    return None
-
-
-class ShiftGuesses:
-    """The shifts seen so far for each planned run and syscall (see count_shift), landed or not.
-    Each run's own shift is drawn anew, so the best guess for the next attempt is the most common
-    one; with none seen yet, 0 and then small shifts in turn. Only `write` counts drift (gloo's
-    wake-ups); a shift seen in one syscall's count says nothing about another's."""
-
-    FALLBACK = (0, 1, 2, -1, 3, -2, 4, -3)
-
-    def __init__(self):
-        self.seen: dict[tuple[int, str], tuple[weakref.ref, collections.Counter[int]]] = {}
-
-    def _counts(self, run: recording.RecordedRun, syscall: str) -> collections.Counter[int] | None:
-        found = self.seen.get((id(run), syscall))
-        if found is None or found[0]() is not run:   # an id reused by a newer run
-            return None
-        return found[1]
-
-    def record(self, run: recording.RecordedRun, syscall: str, shift: int | None) -> None:
-        if shift is None:
-            return
-        counts = self._counts(run, syscall)
-        if counts is None:
-            counts = collections.Counter()
-            self.seen[(id(run), syscall)] = (weakref.ref(run), counts)
-        counts[shift] += 1
-
-    def guess(self, run: recording.RecordedRun, syscall: str, attempt: int) -> int:
-        counts = self._counts(run, syscall)
-        if counts:
-            return counts.most_common(1)[0][0]
-        return self.FALLBACK[(attempt - 1) % len(self.FALLBACK)]
-
-    def shifted(self, planned: PlannedKill, run: recording.RecordedRun, attempt: int, *,
-                measured: int | None = None) -> PlannedKill:
-        """`planned` with its count moved by `measured` (a shift just measured next to the point)
-        or else by the guess for this attempt (never below the first call)."""
-        nth = planned.nth + (measured if measured is not None else self.guess(run, planned.syscall, attempt))
-        return dataclasses.replace(planned, nth=nth if nth >= 1 else planned.nth)
-
-
-SHIFTS = ShiftGuesses()
-
-
 def deliver(planned: PlannedKill, own_view: recording.RecordedRun, attempt, check, *, job: bool, shifted: bool,
             reset, counting=lambda: True) -> PlannedKill:
     """Deliver a planned fault: `attempt(kill)` runs one faulted process (or job) and returns the
     faulted rank's recorded run; `check(kill, landed)` raises CrashNotLanded unless it landed.
     In a job, a miss is retried after `reset()` (at most DELIVERY_ATTEMPTS times), with the count
     shifted when `shifted`: by the shift the missed attempt showed next to the point, else by the
-    most common one seen (see count_shift). `counting()` says
-    whether the next attempt delivers by count at all (not by path): only those teach shifts.
+    most common one seen (shifts.py). `counting()` says whether the next attempt delivers by
+    count at all (not by path): only those teach shifts.
     Returns the kill that landed."""
     kill = SHIFTS.shifted(planned, own_view, 1) if shifted else planned
     for n in range(1, DELIVERY_ATTEMPTS + 1):

@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         layers = importlib.import_module(package).LAYERS if layered else None
         replace_table(root / page, MODULES_MARKER, module_table(root / package, layers))
         print(f"updated {page}")
-    from ..checks.registry import TABLE_MARKER, checks_page, markdown_table
+    from .checks_page import TABLE_MARKER, checks_page, markdown_table
     replace_table(root / "README.md", TABLE_MARKER, markdown_table())
     print("updated README.md")
     from ..model.flags import markdown_table as options_table

@@ -9,7 +9,7 @@ from pathlib import Path
 from .. import names
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..primitives.atomic import is_live_temp
-from .read import is_manifest_name, pieces_dir, read_manifest, references
+from .read import pieces_dir, read_manifest, references
 
 
 def ancestors(path: Path) -> list[Path]:
@@ -36,10 +36,8 @@ def ancestors(path: Path) -> list[Path]:
 
 
 def manifests(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        return []
-    found = [Path(e.path) for e in os.scandir(directory) if is_manifest_name(e.name) and e.is_file()]
-    return sorted(found, key=lambda p: (names.step_of(p.name), p.name))   # by step number, never by string
+    """The chain manifests in `directory`, oldest first by step number (names' one scan)."""
+    return [e.path for e in names.step_entries(directory) if e.layout == "chain" and e.path.is_file()]
 
 
 def orphans(directory: Path) -> tuple[list[Path], int]:
