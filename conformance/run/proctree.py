@@ -30,9 +30,9 @@ class TaskSample:
 # strace), which is the suite's own doing.
 ACTIVE_STATES = frozenset("Dt")
 # A thread is busy when CPU time plus run-queue wait make at least this share of the interval:
-# threads that wake on a timer whatever the job does use far less (gloo's transport loop about 2
-# ms of CPU a second in a rank blocked in a collective; a thread waiting for the GIL wakes every
-# 5 ms to ask for it, about 4 ms a second), and a thread that works, however starved, more.
+# threads that wake on a timer whatever the job does (gloo's transport loop in a rank blocked in a
+# collective, a thread asking for the GIL) use a small fraction of that, and a thread that works,
+# however starved, more (what each used: docs/benchmarks.md, "Measured by hand").
 BUSY_SHARE = 0.25
 
 

@@ -185,7 +185,7 @@ class Watchdog:
         (soak seed 3548310241: ddp_async_trainer's interrupt, 2 ranks on 2 busy CPUs), while one
         that blocks or sleeps waits on no run queue and is killed on time. A frozen rank's grace
         (hang, a lost node) is how long the others may wait, and stays wall time: threads that
-        spin while they wait would otherwise stretch it (a broken trainer's hang took 3x longer)."""
+        spin while they wait would otherwise stretch it, several times over for a broken trainer's hang."""
         wall = now - self.signalled_at
         if wall <= self.stop.grace_s:
             return False
