@@ -87,7 +87,8 @@ def resume_interpreter(config) -> str | None:
         raise pytest.UsageError(f"{USAGE_PREFIX}--resume-python {value!r} is not an executable\n  fix: give the "
                                 "interpreter of another environment, e.g. .venv-np126/bin/python")
     found = os.path.abspath(found)
-    missing = _lacks_suite(found)
+    # An xdist worker's controller asked that environment before any worker started (configure).
+    missing = None if hasattr(config, "workerinput") else _lacks_suite(found)
     if missing:
         raise pytest.UsageError(f"{USAGE_PREFIX}--resume-python {found}: that environment cannot import this suite "
                                 f"({missing}); upgrade_resume starts its trainer processes there\n  fix: "

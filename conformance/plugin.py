@@ -207,8 +207,8 @@ def pytest_configure(config):
         config._conformance_adapter = None
         named = {name: option(config, name) for name in ("adapter", "trainer_cmd")}
         requested = _suite_requested(config)
-        if requested and platform_problem():
-            raise pytest.UsageError(platform_problem())
+        if requested and (elsewhere := platform_problem()):
+            raise pytest.UsageError(elsewhere)
         spelled = {f.name: (f.spelling, f.ini_key) for f in FLAGS}   # as the user most likely typed it
         problem = trainer_naming_problem(named, spelled, os.environ if requested else {})
         if problem:

@@ -43,7 +43,7 @@ def list_checkpoints(directory: str | os.PathLike, *, layout: str | None = None)
     only = None if layout is None else kinds.named(layout).name
     found = []
     for entry in names.step_entries(directory):
-        kind = kinds.of(entry.path.name)
+        kind = kinds.named(entry.layout)   # the layout its name says, parsed once by the scan
         if kind.is_directory == entry.is_dir and only in (None, kind.name):
             found.append(CheckpointInfo(entry.step, entry.path))
     return found

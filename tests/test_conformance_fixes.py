@@ -109,7 +109,7 @@ def test_a_checkpoints_own_files_and_stale_names_are_not_pointers(tmp_path, rel,
 
 def test_a_deleted_pointer_gets_the_pointer_fix_not_hashes(tmp_path):
     ckpt = checkpoint_dir(tmp_path, "step-00000012.chain.json")
-    fix = damage.fix_for("delete", pointer=damage.is_pointer(ckpt, "latest", 12))
+    fix = damage.fix_for("delete", ckpt, "latest", 12)
     assert fix is POINTER_DELETED
     line = last_line_of_failure("corruption_detected[delete]", "after corruption the trainer resumed from scratch "
                                 "instead of falling back to the newest intact checkpoint (step 9)", fix)
@@ -121,7 +121,7 @@ def test_a_deleted_pointer_gets_the_pointer_fix_not_hashes(tmp_path):
                                        ("truncate", "step-00000012/model.pt"), ("delete", "step-00000012/model.pt")])
 def test_other_damage_keeps_the_hash_fix(tmp_path, kind, rel):
     ckpt = checkpoint_dir(tmp_path, "step-00000012")
-    fix = damage.fix_for(kind, pointer=kind == "delete" and damage.is_pointer(ckpt, rel, 12))
+    fix = damage.fix_for(kind, ckpt, rel, 12)
     assert fix is None
     line = last_line_of_failure(f"corruption_detected[{kind}]", "the trainer loaded a corrupted checkpoint", fix)
     assert HASHES in line

@@ -1,6 +1,7 @@
 """Meta-tests of the suite's data types, verdict helpers and corruption tools."""
 import math
 import pickle
+import sys
 
 import pytest
 import torch
@@ -181,6 +182,49 @@ def test_an_adapter_may_ask_for_a_longer_run():
         TrainerAdapter(name="t", argv=("x",), capabilities=frozenset({"steps=30"}))
     with pytest.raises(ValueError, match=r"unknown capabilities \['cold-tier'\]"):
         TrainerAdapter(name="t", argv=("x",), capabilities=frozenset({"cold-tier"}))
+
+
+def test_a_ready_made_adapter_with_a_bad_capability_is_a_usage_error_not_a_traceback(tmp_path, monkeypatch):
+    """A module-level TrainerAdapter is built when its module is imported: what it declares is
+    checked there, as an AdapterError (the plugin's usage error, with a fix), like an object adapter's."""
+    (tmp_path / "readymade.py").write_text("import sys\nfrom conformance import TrainerAdapter\n"
+                                           "ADAPTER = TrainerAdapter(name='t', argv=(sys.executable,), "
+                                           "capabilities={'steps=30'})\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(AdapterError, match=r"steps=30 is now the adapter attribute") as raised:
+        resolve("readymade:ADAPTER", None, rootdir=tmp_path)
+    assert "syscall_crash" in raised.value.fix and "Capability." not in raised.value.fix
+
+
+def test_the_interpreter_is_asked_once_per_process_whether_it_finds_a_trainer_module(monkeypatch):
+    """Resolving options twice (configure, then the session) must not start the probe twice: it
+    imports the trainer's parent packages (torch, for the bundled ones)."""
+    import subprocess
+
+    from conformance.model import importing
+    calls = []
+    real = subprocess.run
+    monkeypatch.setattr(importing.subprocess, "run", lambda *a, **k: calls.append(a) or real(*a, **k))
+    importing._interpreter_finds.cache_clear()
+    argv = (sys.executable, "-m", "json.tool")
+    assert importing.python_target_problem(argv, sys.executable, ()) is None
+    assert importing.python_target_problem(argv, sys.executable, ()) is None
+    assert len(calls) == 1
+
+
+def test_evidence_read_back_from_a_report_equals_what_was_recorded():
+    """JSON turns tuples into lists; a record read back (a merged or re-rendered report) is the
+    record that was made, every sequence field a tuple again, so it compares and hashes alike."""
+    import json
+
+    from conformance.model import evidence
+    made = [evidence.Determinism(spec="14 steps", exit_codes=(0, 0), steps=14, max_abs_diff=0.0, tolerance=0.0,
+                                 mismatches=evidence.mismatch_rows([(3, 1.0, 1.5, 0.5)]), run_random_names=("tmp",),
+                                 digests_left_out=("rng",)),
+            evidence.Draws(3, 2, ("never reached", "another"))]
+    for record in made:
+        again = evidence.Evidence.from_json(json.loads(json.dumps(record.to_json())))
+        assert again == record and hash(again) == hash(record)
 
 
 def test_the_contract_is_typed_and_read_whole_from_the_environment(tmp_path):

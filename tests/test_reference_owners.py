@@ -67,7 +67,10 @@ def test_one_listing_of_step_directories_serves_both_multi_rank_managers(tmp_pat
     assert replicated.committed_manifests(tmp_path / "absent") == {} and committed_steps(tmp_path / "absent") == []
 
 
-def test_chain_garbage_collection_and_the_catalog_scan_a_directory_alike(tmp_path):
+def test_chain_garbage_collection_and_the_catalog_share_one_scan_of_a_directory(tmp_path):
+    """Both take names.step_entries' entries in its order; gc keeps only what it can read as a
+    file, so a link to a directory under a manifest's name is the catalog's (to verify and skip)
+    and not gc's."""
     from resume_conformance.reference.chain import gc
     for step in (100_000_000, 5, 99_999_999):
         (tmp_path / names.step_name(step, "chain")).write_text("{}")
@@ -75,9 +78,11 @@ def test_chain_garbage_collection_and_the_catalog_scan_a_directory_alike(tmp_pat
     (tmp_path / names.step_name(8, "chain")).mkdir()                  # a directory is no manifest
     (tmp_path / f".{names.step_name(9, 'chain')}.tmp-1-0123456789abcdef").write_text("{}")
     (tmp_path / names.step_name(6)).mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / names.step_name(10, "chain")).symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     listed = [i.path for i in list_checkpoints(tmp_path, layout="chain")]
-    assert [names.step_of(p.name) for p in listed] == [5, 7, 99_999_999, 100_000_000]
-    assert gc.manifests(tmp_path) == listed
+    assert [names.step_of(p.name) for p in listed] == [5, 7, 10, 99_999_999, 100_000_000]
+    assert gc.manifests(tmp_path) == [p for p in listed if names.step_of(p.name) != 10]
     assert gc.manifests(tmp_path / "absent") == [] == names.step_entries(tmp_path / "absent")
 
 

@@ -59,7 +59,9 @@ def copy_prefix(session: Session, spec: RunSpec, name: str, check: str, stop: in
     d = session.case_dir(name)
     ckpt = (d / "ckpt").resolve()
     copy_checkpoint_dir(prefix.ckpt_dir, ckpt, spec.cold)
-    files = [ckpt / p.relative_to(prefix.ckpt_dir) for p in newest_checkpoint_files(prefix, stop)]
+    # The prefix run is recorded once and its directory only ever copied: one answer per copy.
+    newest = session._cached(("newest-checkpoint-files", spec, stop), lambda: newest_checkpoint_files(prefix, stop))
+    files = [ckpt / p.relative_to(prefix.ckpt_dir) for p in newest]
     if not files:
         raise session.fail(check, spec, f"could not tell which files make up the checkpoint of step {stop}: "
                            "the save after logging that step wrote no file under CONFORMANCE_CKPT_DIR")

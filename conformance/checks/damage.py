@@ -23,7 +23,7 @@ from .common import copy_prefix, plot_mismatch, resumed_from
 from .failures import format_mismatches, loss_mismatches, max_abs_diff
 from .fixes import POINTER_DELETED, CauseFix
 from .session import Session
-from .states import STATE_WORKERS
+from .states import state_workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
     def one(rel: str) -> Damage:
         d, _, _ = copy_prefix(session, spec, f"corrupt-{kind}", check, stop)
         ckpt = (d / "ckpt").resolve()
-        fix = fix_for(kind, pointer=kind == "delete" and is_pointer(ckpt, rel, stop))   # read before the damage
+        fix = fix_for(kind, ckpt, rel, stop)   # read before the damage
         what = corrupt(kind, ckpt / rel)
         result = session.runner.run_process(session.adapter, spec, ckpt, (d / "loss.jsonl").resolve())
         needed = rel in shared or rel in held.get(previous, ())   # the fallback is damaged too
@@ -121,7 +121,7 @@ def corruption_detected(session: Session, check: str, spec: RunSpec, kind: str, 
             shutil.rmtree(d, ignore_errors=True)
         return Damage(rel, what, result, problem, details, fix)
 
-    with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
+    with ThreadPoolExecutor(max_workers=state_workers()) as pool:
         outcomes = list(pool.map(one, targets))
     base = session.baseline(spec)
     for o in outcomes:
@@ -178,10 +178,11 @@ def is_pointer(ckpt: Path, rel: str, stop: int) -> bool:
     return any(_names_step(token, stop) and Path(token).name in names for token in _TOKEN.findall(text))
 
 
-def fix_for(kind: str, *, pointer: bool) -> CauseFix | None:
-    """The fix a damaged file's failure names in place of the check's default (hashes): a deleted
-    pointer asks for a loader that finds checkpoints without it, not for hashes."""
-    return POINTER_DELETED if kind == "delete" and pointer else None
+def fix_for(kind: str, ckpt: Path, rel: str, stop: int) -> CauseFix | None:
+    """The fix the failure for damage `kind` to the file `rel` of `ckpt` names in place of the
+    check's default (hashes): a deleted pointer (is_pointer, so call it before the damage) asks
+    for a loader that finds checkpoints without it, not for hashes."""
+    return POINTER_DELETED if kind == "delete" and is_pointer(ckpt, rel, stop) else None
 
 
 def read_by_previous(session: Session, spec: RunSpec, previous: int, newest: set[str]) -> frozenset[str]:

@@ -125,14 +125,9 @@ POINTER_DELETED = CauseFix(
 CAUSE_FIXES: tuple[CauseFix, ...] = (ERRNO_LOST, FSYNC_FAILED_COMMITTED, POINTER_DELETED)
 
 
-def fix_text(check_id: str, fix: CauseFix | None = None) -> str:
-    """What to change for a failure of `check` or `check[param]`: `fix`'s if it is this check's, else the default."""
-    name = check_id.partition("[")[0]
-    return fix.fix if fix is not None and fix.check == name else FIXES[name]
-
-
 def fix_line(check_id: str, fix: CauseFix | None = None) -> str:
     """`  fix:      <what to change> (docs/checks.md#<check>)` for `check` or `check[param]`; `fix`, a
-    cause the check's evidence found, replaces the check's default."""
+    cause the check's evidence found, replaces the check's default where it is this check's."""
     name = check_id.partition("[")[0]
-    return f"  fix:      {fix_text(check_id, fix)} ({DOCS_PAGE}#{name})"
+    text = fix.fix if fix is not None and fix.check == name else FIXES[name]
+    return f"  fix:      {text} ({DOCS_PAGE}#{name})"

@@ -46,10 +46,9 @@ def measure(spec: RunSpec, base: RecordedRun, again: RecordedRun, cap: float, *,
     noise. `traced`: the runs were traced, so their filesystem operations can be compared."""
     rows = loss_mismatches(base.losses, again.losses, cap)
     losses = None
-    if (rows or set(again.losses) != set(base.losses)) and warm_again_agrees():
-        losses = process_dependence(rows)
-    elif rows or set(again.losses) != set(base.losses):
-        losses = "not deterministic without interruption: two uninterrupted runs differ\n" + format_mismatches(rows)
+    if rows or set(again.losses) != set(base.losses):
+        losses = (process_dependence(rows) if warm_again_agrees() else
+                  "not deterministic without interruption: two uninterrupted runs differ\n" + format_mismatches(rows))
     lined_up = alignment.align_job(base, again)
     operations = None
     if lined_up.divergence is not None and traced:

@@ -35,8 +35,6 @@ def state_workers() -> int:
     return int(os.environ.get("CONFORMANCE_STATE_WORKERS", "0")) or min(4, os.cpu_count() or 1)
 
 
-STATE_WORKERS = state_workers()
-
 
 def _group(state) -> tuple | None:
     """States that may share a verdict without sharing a directory (unseen.py): the same judging
@@ -74,7 +72,7 @@ def decide_states(session: Session, name: str, prefix: str, same: dict, decide) 
     decided: dict[tuple, list] = {}   # group -> [(decided state, the files its resume looked at)]
     pending = list(same)
     try:
-        with ThreadPoolExecutor(max_workers=STATE_WORKERS) as pool:
+        with ThreadPoolExecutor(max_workers=state_workers()) as pool:
             while pending and len(failures) < MAX_STATE_FAILURES:
                 batch, later, taken = [], [], set()
                 for state in pending:

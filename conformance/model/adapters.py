@@ -81,8 +81,9 @@ class TrainerAdapter:
         if self.steps is not None:
             from .settings import TOTAL_STEPS
             if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < TOTAL_STEPS:
-                raise ValueError(f"adapter {self.name!r}: steps={self.steps!r} must be an integer >= {TOTAL_STEPS} "
-                                 "(the suite's shortest run)")
+                raise AdapterError(f"adapter {self.name!r}: steps={self.steps!r} must be an integer >= {TOTAL_STEPS} "
+                                   "(the suite's shortest run)",
+                                   f"give `steps` as a whole number of steps, at least the suite's {TOTAL_STEPS}")
 
     @property
     def total_steps(self) -> int:
@@ -191,33 +192,27 @@ def python_adapter(spec: str, search: tuple[str, ...] = ()) -> TrainerAdapter:
     if not callable(run):
         raise AdapterError(f"adapter {spec!r} is neither a TrainerAdapter nor an object with run(ctx)",
                            "give it a run(ctx) method (see the README's adapter example)")
-    try:
-        caps = capabilities(getattr(obj, "capabilities", frozenset({"syscall_crash"})), f"adapter {spec!r}")
-    except ValueError as exc:
-        raise AdapterError(str(exc), f"use only {sorted(KNOWN_CAPABILITIES)}; a longer run is the attribute "
-                           "`steps = N`") from None
+    caps = capabilities(getattr(obj, "capabilities", frozenset({"syscall_crash"})), f"adapter {spec!r}")
     samples = tuple(getattr(obj, "legacy_samples", ()) or ())
     world = checked_world_size(getattr(obj, "world_size", 1), f"adapter {spec!r}: world_size")
     nodes = checked_world_size(getattr(obj, "nnodes", 1), f"adapter {spec!r}: nnodes", "nodes")
-    try:
-        return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.run.child", spec),
-                              capabilities=caps, legacy_samples=samples, spec=spec, steps=getattr(obj, "steps", None),
-                              version=str(getattr(obj, "version", "") or ""), pythonpath=search,
-                              world_size=world, nnodes=nodes)
-    except ValueError as exc:
-        raise AdapterError(str(exc), "give `steps` as a whole number of steps, at least the suite's 14") from None
+    return TrainerAdapter(name=getattr(obj, "name", spec), argv=(sys.executable, "-m", "conformance.run.child", spec),
+                          capabilities=caps, legacy_samples=samples, spec=spec, steps=getattr(obj, "steps", None),
+                          version=str(getattr(obj, "version", "") or ""), pythonpath=search,
+                          world_size=world, nnodes=nodes)
 
 
 def capabilities(values, what: str) -> frozenset[Capability]:
     """Capability names (strings, as an adapter or a command line gives them) as typed values;
-    ValueError naming the unknown ones."""
+    AdapterError naming the unknown ones."""
     if isinstance(values, str):
         values = (values,)
     unknown = sorted(str(v) for v in values if v not in KNOWN_CAPABILITIES)
     if unknown:
         moved = [v for v in unknown if v.startswith("steps=")]
-        raise ValueError(f"{what} declares unknown capabilities {unknown}"
-                         + (f" ({moved[0]} is now the adapter attribute `steps = {moved[0][6:]}`)" if moved else ""))
+        raise AdapterError(f"{what} declares unknown capabilities {unknown}"
+                           + (f" ({moved[0]} is now the adapter attribute `steps = {moved[0][6:]}`)" if moved else ""),
+                           f"use only {', '.join(sorted(KNOWN_CAPABILITIES))}; a longer run is the attribute `steps = N`")
     return frozenset(Capability(v) for v in values)
 
 
@@ -258,9 +253,4 @@ def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.P
         found = dataclasses.replace(found, world_size=checked_world_size(world_size, "--world-size"))
     if nnodes is not None:
         found = dataclasses.replace(found, nnodes=checked_world_size(nnodes, "--nnodes", "nodes"))
-    checked_shape(found)
-    try:
-        _ = found.total_steps     # its steps= capability, checked
-    except ValueError as exc:
-        raise AdapterError(str(exc), "declare one capability like 'steps=30' (or none: 14 steps)") from None
-    return found
+    return checked_shape(found)   # its capabilities and steps were checked when it was made

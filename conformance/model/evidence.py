@@ -73,13 +73,12 @@ class Evidence:
         if cls is None:
             return Note(f"unknown evidence kind {data.get('kind')!r}")
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in fields}
+        # JSON has no tuples: every sequence field is a tuple here, as it was when recorded.
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}
         if "mismatches" in values:
             values["mismatches"] = tuple(Mismatch(**m) for m in values["mismatches"] or ())
         if "crashes" in values:
             values["crashes"] = tuple(CrashRecord(**c) for c in values["crashes"] or ())
-        if "reasons" in values:
-            values["reasons"] = tuple(values["reasons"] or ())
         for name in ("max_abs_diff",):
             if name in values:
                 values[name] = _number(values[name])

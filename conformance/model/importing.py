@@ -4,6 +4,7 @@ module that cannot be imported, which part of its dotted name failed and the nea
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import os
@@ -89,17 +90,31 @@ _FIND = ("import importlib.util, sys\n"
          "sys.exit(0 if found is not None else 3)\n")
 
 
+def python_target(argv) -> tuple[str, str, tuple[str, ...]] | None:
+    """How a trainer command names its Python target: ("module", name, rest) for `python -m name
+    ...`, ("script", path, rest) for `python path.py ...` (whether or not the file exists), None for
+    any other command. The one reading, which the warm runner's fork target asks too."""
+    if not argv or not Path(argv[0]).name.startswith("python") or len(argv) < 2:
+        return None
+    if argv[1] == "-m" and len(argv) > 2:
+        return "module", argv[2], tuple(argv[3:])
+    if not argv[1].startswith("-") and argv[1].endswith(".py"):
+        return "script", argv[1], tuple(argv[2:])
+    return None
+
+
 def python_target_problem(argv: tuple[str, ...], interpreter: str, search: tuple[str, ...]) -> tuple[str, str] | None:
     """(cause, fix) when a trainer command is a Python interpreter given a module (`-m mod`) or a
     script that it cannot find, asked of that interpreter (it may be another environment's) with
     the trainer's own search path; None otherwise, or for anything else."""
-    if not Path(argv[0]).name.startswith("python") or len(argv) < 2:
+    target = python_target(argv)
+    if target is None:
         return None
-    if argv[1] == "-m" and len(argv) > 2:
-        module = argv[2]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*search, *filter(None, [os.environ.get("PYTHONPATH")])])}
-        proc = subprocess.run([interpreter, "-c", _FIND, module], capture_output=True, text=True, env=env, timeout=120)
-        if proc.returncode == 0:
+    kind, module, _ = target
+    if kind == "module":
+        found, said = _interpreter_finds(interpreter, module,
+                                         os.pathsep.join([*search, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        if found:
             return None
         added = [d for d in search if d not in sys.path]
         sys.path[:0] = added
@@ -112,11 +127,21 @@ def python_target_problem(argv: tuple[str, ...], interpreter: str, search: tuple
             for d in added:
                 sys.path.remove(d)
         return (f"{interpreter} cannot import {module!r}, although the suite's own environment can "
-                f"({proc.stdout.strip() or 'no such module'})", f"install it for {interpreter} as well")
-    if not argv[1].startswith("-") and argv[1].endswith(".py") and not os.path.isfile(argv[1]):
-        return (f"the script {argv[1]!r} does not exist (in {os.getcwd()})",
+                f"({said or 'no such module'})", f"install it for {interpreter} as well")
+    if not os.path.isfile(module):
+        return (f"the script {module!r} does not exist (in {os.getcwd()})",
                 "run pytest from the directory the command's paths are relative to, or give the script's full path")
     return None
+
+
+@functools.cache
+def _interpreter_finds(interpreter: str, module: str, pythonpath: str) -> tuple[bool, str]:
+    """(whether `interpreter` finds `module` with `pythonpath`, what it said): asked once per process,
+    since finding a package's module imports its parents (a trainer's package may import torch),
+    and the options are resolved more than once (at configure, then by the session)."""
+    proc = subprocess.run([interpreter, "-c", _FIND, module], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": pythonpath}, timeout=120)
+    return proc.returncode == 0, proc.stdout.strip()
 
 
 def _missing(module: str) -> str:

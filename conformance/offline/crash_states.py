@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..model.process import RunSpec
 from ..trace import strace
+from ..trace.operations import MUTATIONS
 from ..trace.recording import Op, RecordedRun, UnreplayableTrace
 from .unseen import DirectoryView
 
@@ -110,9 +111,7 @@ class Replayer:
 
     def _move(self, src: str, dst: str) -> None:
         def moved(p: str) -> str | None:
-            if p == src:
-                return dst
-            return dst + p[len(src):] if p.startswith(src + "/") else None
+            return moved_by_rename(p, src, dst)
         for table in (self.files, self.gens, self.symlinks):
             for p in [p for p in table if moved(p)]:
                 table[moved(p)] = table.pop(p)
@@ -215,8 +214,8 @@ def same_directory_note(alike: list, what: str) -> str:
             "differs only in files the resume never looked at)")
 
 
-# What a save puts bytes or a name at (`save_paths`); a removal or a sync puts nothing.
-_PUTS = frozenset({"mkdir", "create", "write", "copy", "truncate", "rename", "link", "symlink"})
+# What a save puts bytes or a name at (`save_paths`): every change but a removal or a sync.
+_PUTS = MUTATIONS - {"unlink", "rmdir", "fsync"}
 
 
 def save_paths(run: RecordedRun) -> dict[int, tuple[str, ...]]:
@@ -231,18 +230,24 @@ def save_paths(run: RecordedRun) -> dict[int, tuple[str, ...]]:
             continue
         paths = out.setdefault(op.save, {})
         if op.kind == "rename":
-            paths = out[op.save] = {q: None for p in paths for q in (p, _moved(p, op.path, dst)) if q}
+            paths = out[op.save] = {q: None for p in paths for q in (p, moved_by_rename(p, op.path, dst)) if q}
         paths[dst] = None
     return {s: tuple(paths) for s, paths in out.items()}
 
 
-def _moved(path: str, src: str, dst: str) -> str | None:
-    """Where a rename of `src` to `dst` takes `path` (None: it is not `src` or under it)."""
-    return dst + path[len(src):] if _under(path, src) else None
+def moved_by_rename(path: str, src: str, dst: str) -> str | None:
+    """Where a rename of `src` to `dst` takes `path` (None: it is not `src` or under it): the one
+    rule, which the replayer here and the power-loss model (powerloss.py) apply too."""
+    return dst + path[len(src):] if path == src or path.startswith(src + "/") else None
 
 
-def _under(path: str, top: str) -> bool:
-    return path == top or path.startswith(top + "/")
+def _at_or_under(path: str, tops: set[str] | frozenset[str]) -> bool:
+    """Whether `path` (relative) is one of `tops` or lies under one: its ancestors, looked up."""
+    while path not in tops:
+        path, sep, _ = path.rpartition("/")
+        if not sep:
+            return False
+    return True
 
 
 def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
@@ -258,8 +263,9 @@ def save_files(run: RecordedRun) -> dict[int, dict[str, bytes]]:
         replayer.apply(op)
         if op.index in ends:
             s = ends[op.index]
+            put = set(paths.get(s, ()))
             finals[s] = {p: bytes(b) for p, b in replayer.files.items() if not p.startswith("/")
-                         and any(_under(p, w) for w in paths.get(s, ()))}
+                         and _at_or_under(p, put)}
     return finals
 
 

@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 from ..trace.recording import Op, RecordedRun, UnreplayableTrace
+from .crash_states import moved_by_rename
 from .unseen import DirectoryView, bytes_identity
 
 MODELS = ("data", "strict")
@@ -237,9 +238,7 @@ class Model:
 
 def _move(names: dict, dirs: set, symlinks: dict, src: str, dst: str) -> None:
     def moved(p: str) -> str | None:
-        if p == src:
-            return dst
-        return dst + p[len(src):] if p.startswith(src + "/") else None
+        return moved_by_rename(p, src, dst)
     for table in (names, symlinks):
         for p in [p for p in table if moved(p)]:
             table[moved(p)] = table.pop(p)

@@ -8,6 +8,9 @@ from ..checks.fixes import CAUSE_FIXES, FIXES
 from ..checks.registry import CHECKS
 
 TABLE_MARKER = "<!-- checks-table -->"
+# How the table names a need that is not an adapter capability (any other need is one).
+NEEDS = {"trace": "strace", "multirank": "2+ ranks", "resume_python": "`--resume-python`",
+         "lost_node_storage": "`cold_tier` (or `node_local_storage`, `--nnodes` >= 2)"}
 
 
 def markdown_table() -> str:
@@ -16,10 +19,8 @@ def markdown_table() -> str:
     rows = ["| check id | what it asserts (in full: docs/checks.md) | needs |", "|---|---|---|"]
     for c in CHECKS:
         ids = f"`{c.id}[{'|'.join(c.params)}]`".replace("|", "\\|") if c.params else f"`{c.id}`"
-        named = {"trace": "strace", "multirank": "2+ ranks", "resume_python": "`--resume-python`",
-                 "lost_node_storage": "`cold_tier` (or `node_local_storage`, `--nnodes` >= 2)"}
-        capabilities = [f"`{n}`" for n in c.needs if n not in named]
-        needs = [named[n] for n in c.needs if n in named]
+        capabilities = [f"`{n}`" for n in c.needs if n not in NEEDS]
+        needs = [NEEDS[n] for n in c.needs if n in NEEDS]
         if capabilities:
             needs.append(f"capabilit{'ies' if len(capabilities) > 1 else 'y'} {', '.join(capabilities)}")
         if c.precondition != "none":

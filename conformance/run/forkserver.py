@@ -35,6 +35,7 @@ import threading
 from collections.abc import Mapping
 
 from ..model.adapters import TrainerAdapter
+from ..model.importing import python_target
 from .forked import SpareChild
 from .proctree import kill_tree, sigkill
 from .warmup import LIBRARY_THREADS, UNEXPLAINED_THREADS, huge_page_tunables, thread_count, warm_up
@@ -95,10 +96,11 @@ def warm_target(adapter: TrainerAdapter) -> tuple[WarmTarget | None, str]:
         return None, "the command does not start a Python interpreter"
     if not imports_same_torch(exe):
         return None, f"{argv[0]} does not import the torch this suite runs with"
-    if len(argv) >= 3 and argv[1] == "-m":
-        return WarmTarget(exe, "module", argv[2], tuple(argv[3:])), ""
-    if len(argv) >= 2 and not argv[1].startswith("-") and argv[1].endswith(".py") and os.path.isfile(argv[1]):
-        return WarmTarget(exe, "script", os.path.abspath(argv[1]), tuple(argv[2:])), ""
+    target = python_target(argv)
+    if target is not None and target[0] == "module":
+        return WarmTarget(exe, "module", target[1], target[2]), ""
+    if target is not None and os.path.isfile(target[1]):
+        return WarmTarget(exe, "script", os.path.abspath(target[1]), target[2]), ""
     return None, "the command is neither `python -m module ...` nor `python script.py ...`"
 
 

@@ -36,8 +36,8 @@ import torch
 
 from .. import names
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, InvalidIndexError
+from ..primitives.encoding import from_torch_bytes
 from ..primitives.integrity import tensor_bytes
-from ..primitives.loading import safe_torch_load
 from ..primitives.schema import check_supported, migrate
 from ..primitives.tree import join_tensors
 from . import codec
@@ -299,10 +299,10 @@ def open_chain(path: str | os.PathLike, map_location=None, *, migrate_schema: bo
 def load_skeleton(manifest: dict[str, Any], path: Path) -> Any:
     """The payload without its tensors (markers in their place), from the manifest at `path`."""
     try:
-        raw = np.frombuffer(bytearray(base64.b64decode(manifest["skeleton"], validate=True)), dtype=np.uint8)
+        raw = base64.b64decode(manifest["skeleton"], validate=True)
     except ValueError as exc:
         raise CorruptCheckpointError(path, f"skeleton is not base64: {exc}") from None
-    return safe_torch_load(path, buffer=torch.from_numpy(raw))
+    return from_torch_bytes(raw, path)   # it holds no tensor (markers in their place): the CPU is no choice
 
 
 def references(manifest: dict[str, Any]) -> set[str]:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import names
-from ..catalog import CheckpointSkippedWarning, list_checkpoints
+from ..catalog import CheckpointInfo, CheckpointSkippedWarning, list_checkpoints
 from ..distributed import MANIFEST, Loaded
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..primitives.atomic import atomic_write_bytes, fsync_dir
@@ -65,8 +65,13 @@ def _write_synced(path: Path, data: bytes) -> None:
 def committed_manifests(directory: Path) -> dict[int, dict[str, Any]]:
     """Step -> manifest, for the steps this node committed: of the step directories the catalog
     lists, those with a readable manifest of this format and step."""
+    return manifests_of(list_checkpoints(directory, layout="sharded"))
+
+
+def manifests_of(listed: list[CheckpointInfo]) -> dict[int, dict[str, Any]]:
+    """committed_manifests of step directories already listed (retention lists once)."""
     out = {}
-    for info in list_checkpoints(directory, layout="sharded"):
+    for info in listed:
         try:
             manifest = json.loads((info.path / MANIFEST).read_bytes())
         except (OSError, ValueError):
@@ -152,11 +157,12 @@ class ReplicatedCheckpointManager:
     def _apply_retention(self, *, just_saved: int) -> None:
         """This node's first rank, after its commit: keep the newest keep_last committed steps
         (and always the one just saved); remove older ones and older staging directories."""
-        found = committed_manifests(self.directory)
+        listed = list_checkpoints(self.directory, layout="sharded")
+        found = manifests_of(listed)
         keep = keep_set([Candidate(names.step_name(s), s) for s in found], keep_last=self.keep_last,
                         keep_best=None, anchor=names.step_name(just_saved))
         removed = sweep_staging(self.directory, older_than=just_saved)
-        for info in list_checkpoints(self.directory, layout="sharded"):
+        for info in listed:   # staging names are no step directories: the sweep changed nothing listed
             if info.step in found and info.path.name not in keep:
                 shutil.rmtree(info.path)
                 removed.append(info.path)
