@@ -154,6 +154,13 @@ def _make_test(check: Check):
                 evidence.drawn(False, str(exc).splitlines()[0])
             reject()   # a later point that its process never reaches: draw another schedule
         except (ConformanceFailure, CrashNotLanded) as exc:
+            if isinstance(exc, CrashNotLanded) and check.draw is not None:
+                # A fault the suite could not land where it planned says nothing of the trainer
+                # (whether its operations repeat is determinism_precondition's to judge, from two
+                # whole runs): another point is drawn, and the report counts the undelivered ones.
+                note(str(exc))
+                evidence.drawn(False, str(exc).splitlines()[0])
+                reject()
             if request.config.getoption("verbose") >= 2:
                 raise   # -vv: the suite's own frames too
             failure = exc
