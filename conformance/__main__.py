@@ -36,7 +36,8 @@ def _replay(args) -> int:
             return 2
         case = check.case.parse(text) if text is not None else None
     try:
-        adapter = resolve(args.adapter, args.trainer_cmd, world_size=args.world_size, nnodes=args.nnodes)
+        adapter = resolve(args.adapter, args.trainer_cmd, world_size=args.world_size, nnodes=args.nnodes,
+                          capabilities=args.capabilities, carry_env=args.carry_env)
     except AdapterError as exc:
         print(f"error: cannot use the trainer: {exc}", file=sys.stderr)
         return 2
@@ -148,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--seed", type=int, default=0)
     for option in dict.fromkeys(c.case for c in CHECKS if c.case is not None):
         rp.add_argument(f"--{option.name.replace('_', '-')}", dest=option.name, help=option.help)
-    for flag in FLAGS:   # the options a failure's replay line carries (model/flags.py: verdict=True)
-        if flag.verdict:
+    for flag in FLAGS:   # the options a failure's replay line carries (model/flags.py: verdict or replayed)
+        if flag.in_replay_line:
             rp.add_argument(flag.short, flag.flag, dest=flag.name, metavar=flag.metavar, help=flag.help,
                             type=float if flag.kind in ("seconds", "tolerance") else None)
     rep = sub.add_parser("report", help="render a saved report.json, or merge a campaign's (exit 1 if it holds "

@@ -127,6 +127,8 @@ class ReportCollector:
         built = reports.environment(adapter, profile, self.cases, run_header(self.config))
         for _, found in built.disagreements:   # passed for the trainer; a problem of the suite's, said out loud
             terminalreporter.write_line(f"conformance: {found.summary()}", yellow=True, bold=True)
+        for warning in built.warnings:   # findings that fail no check, where a passing run shows them too
+            terminalreporter.write_line(f"conformance: warning: {warning}", yellow=True)
         json_path, md_path = reports.write_report(built, Path(directory).resolve())
         terminalreporter.write_line(f"conformance report: {json_path} and {md_path}")
 

@@ -20,7 +20,7 @@ from . import collect
 from .checks import Session
 from .model import evidence
 from .model import settings as _settings  # registers the Hypothesis profiles
-from .model.adapters import AdapterError, TrainerAdapter, checked_shape, checked_world_size, resolve
+from .model.adapters import AdapterError, TrainerAdapter, checked_shape, checked_world_size, declared, resolve
 from .model.flags import FLAGS
 from .model.settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
 from .options import (  # noqa: F401
@@ -111,20 +111,23 @@ def conformance_session_for(request, tmp_path_factory):
 def _resolve(config, adapter, trainer_cmd, world_size=None, nnodes=None) -> TrainerAdapter:
     """The trainer named by a class attribute or the options; AdapterError if it cannot be loaded.
     The world size (and node count): the --world-size (--nnodes) option, else `world_size`
-    (`nnodes`) as a class attribute, else the adapter's own."""
+    (`nnodes`) as a class attribute, else the adapter's own. --capabilities and --carry-env apply
+    to each (adapters.declared)."""
     size = option(config, "world_size") or world_size
     nodes = option(config, "nnodes") or nnodes
+    capabilities, carry_env = option(config, "capabilities"), option(config, "carry_env")
     if isinstance(adapter, TrainerAdapter):
         if size:
             adapter = dataclasses.replace(adapter, world_size=checked_world_size(size, "--world-size"))
         if nodes:
             adapter = dataclasses.replace(adapter, nnodes=checked_world_size(nodes, "--nnodes", "nodes"))
-        resolved = checked_shape(adapter)
+        resolved = checked_shape(declared(adapter, capabilities, carry_env, os.environ))
     elif adapter is not None and not isinstance(adapter, str):
         raise AdapterError(f"the adapter class attribute is {adapter!r}",
                            "set it to a 'package.module:attribute' string or a TrainerAdapter")
     else:
-        resolved = resolve(adapter, trainer_cmd, rootdir=config.rootpath, world_size=size, nnodes=nodes)
+        resolved = resolve(adapter, trainer_cmd, rootdir=config.rootpath, world_size=size, nnodes=nodes,
+                           capabilities=capabilities, carry_env=carry_env)
     # What is loaded by now (torch, through the trainer's module) lives as long as the process:
     # kept out of every later collection, and out of the ones pytest's unraisable-exception cleanup
     # runs at exit, each of which would walk torch's objects again. Only once a trainer is loaded:

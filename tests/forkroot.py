@@ -15,10 +15,12 @@ start as fresh interpreters. The dev conftest runs two roots per test worker, wi
 secrets: a run's saving and resuming processes come from servers with different ones.
 
 Protocol, one connection per server: the client sends one JSON line (argv: the server's
-arguments, env, cwd, extra_path: PYTHONPATH's entries, executable, modules) with the server's
-stdin, stdout and stderr as SCM_RIGHTS; the root answers {"pid": PID} or {"refused": why}. The
-forked server is made to look like `python -m conformance.run.forkserver ARGV...` started by the
-client: its environment, directory, sys.path, argv and standard streams. It is the root's child
+arguments but its channel, env, cwd, extra_path: PYTHONPATH's entries, executable, modules) with
+the server's channel (the read end of its request pipe, the write end of its reply pipe) and its
+stderr as SCM_RIGHTS; the root answers {"pid": PID} or {"refused": why}. The forked server is made
+to look like `python -m conformance.run.forkserver --channel=R,W ARGV...` started by the client:
+its environment, directory, sys.path, argv, channel and stderr (the server points its stdin and
+stdout away itself, as a fresh one does). It is the root's child
 (reaped by the root); the client waits on it through a pidfd. The root exits when its stdin
 closes.
 
@@ -87,19 +89,20 @@ def _become_server(req: dict, fds: list[int], closing: list[int]) -> None:
         os.close(fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
+    requests, replies, stderr = fds
+    os.dup2(stderr, 2)
+    os.close(stderr)
+    argv = [forkserver.Channel(requests, replies).option(), *req["argv"]]
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
     sys.path[:] = [req["cwd"], *req["extra_path"], *BASE_PATH]
     sys.path_importer_cache.clear()
     importlib.invalidate_caches()
-    sys.argv[:] = [forkserver.__file__, *req["argv"]]
+    sys.argv[:] = [forkserver.__file__, *argv]
     code = 0
     try:
-        forkserver.main(list(req["argv"]))
+        forkserver.main(argv)
     except BaseException:
         import traceback
         traceback.print_exc()

@@ -1,6 +1,8 @@
 """The warm runner's fork server: what it does once for its children (run/warmup.py), the child it
-forks ahead of each request, the allocator setting it starts with, and the development harness's
-root that forks fork servers (tests/forkroot.py)."""
+forks ahead of each request, the allocator setting it starts with, the development harness's root
+that forks fork servers (tests/forkroot.py), and its channel: what a trainer's import does to
+stdin and stdout never reaches it, a module that exits at import ends its children as it ends a
+fresh interpreter, and every wait on the server ends by a deadline that says what it waited for."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.run.forkclient import ROOT_ENV, ForkServer
+from conformance.run.forkclient import ROOT_ENV, ForkServer, ServerDied
 from conformance.run.forkserver import server_env
 from conformance.run.warmup import huge_page_tunables
 from conformance.trace.strace import strace_problem
@@ -184,7 +186,7 @@ def test_a_server_that_died_is_started_again_for_the_next_request(server, tmp_pa
     os.kill(first, signal.SIGKILL)
     server.proc.wait()
     deadline = time.monotonic() + 10
-    while not server._dead and time.monotonic() < deadline:   # its reader sees the pipe close
+    while server.ended is None and time.monotonic() < deadline:   # its reader sees the pipe close
         time.sleep(0.01)
     rc, out = _run(server, tmp_path)
     assert rc == 0, out
@@ -349,5 +351,348 @@ def test_a_child_runs_its_own_finalizers_at_exit_and_not_the_servers(tmp_path):
             assert rc == 0, (tmp_path / "stderr").read_text()
             assert mark.read_text() == "child's own finalizer ran"
             assert os.path.isdir(name.read_text()), f"child {k} found the server's directory deleted"
+    finally:
+        srv.close()
+
+
+# -- the channel is the suite's own: what a trainer's import does to stdio, exits, junk, deadlines --
+def _env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a server of tmp_path's modules: forked by a root of this test process,
+    which has torch imported, where one runs (a root forks only servers with its hash secret)."""
+    from conformance.run.forkclient import roots
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    seeds = [seed for _, seed in roots() if seed]
+    if seeds:
+        env["PYTHONHASHSEED"] = seeds[0]
+    return env
+
+
+STDIO_PROBE = '''\
+import os, sys
+STDIO = [os.readlink(f"/proc/self/fd/{{fd}}") for fd in (0, 1)]   # as the process started, before the import's doing
+{at_import}
+
+
+def main():
+    pipes = sorted(link for fd in os.listdir("/proc/self/fd")
+                   if (link := os.readlink(f"/proc/self/fd/{{fd}}") if os.path.exists(f"/proc/self/fd/{{fd}}") else "")
+                   .startswith("pipe:"))
+    with open(os.environ["PROBE_OUT"], "w") as f:
+        f.write(" ".join([*STDIO, *pipes]))
+
+
+if __name__ == "__main__":
+    main()
+'''
+JUNK = bytes(range(256)) * 3
+AT_IMPORT = {
+    "banner": 'print("banner printed at import", flush=True)',
+    "binary": f"os.write(1, {JUNK!r})",
+    "closed": "os.close(1)",
+    # Where the server imports it (pytest is not imported there): what the read returned, and when.
+    "stdin": 'if "pytest" not in sys.modules:\n'
+             '    import time; start = time.monotonic(); data = sys.stdin.read()\n'
+             '    seen = os.path.join(os.path.dirname(__file__), "stdin_seen")\n'
+             '    open(seen, "w").write(repr((data, time.monotonic() - start < 5)))',
+}
+
+
+def _within(seconds: float, fn):
+    """fn()'s result, or a failure if it has not returned within `seconds` (on a thread of its own,
+    so that a wait without a deadline fails the test instead of hanging it)."""
+    import threading
+    box: dict = {}
+
+    def call():
+        try:
+            box["result"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _own_pipes() -> set[str]:
+    return {link for fd in os.listdir("/proc/self/fd")
+            if (link := os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else "")
+            .startswith("pipe:")}
+
+
+@pytest.mark.parametrize("what", sorted(AT_IMPORT))
+def test_what_a_trainers_import_does_to_stdout_or_stdin_never_reaches_the_channel(tmp_path, capfdbinary, what):
+    """A banner printed (flushed) at import, binary junk on fd 1, fd 1 closed, a read of stdin: the
+    server imports the trainer's module with stdin on /dev/null and stdout on its log (stderr), so
+    it still answers, the read ends at once with nothing, and its children run with stdin and
+    stdout on /dev/null, as the fresh runner starts a trainer, holding none of the channel."""
+    module = f"stdio_{what}"
+    (tmp_path / f"{module}.py").write_text(STDIO_PROBE.format(at_import=AT_IMPORT[what]))
+    env = _env(tmp_path)
+    srv = ForkServer([module], env=env)
+    try:
+        for k in range(2):
+            out = tmp_path / f"out{k}"
+            rc = _within(120, lambda out=out: srv.run(module, [], dict(env, PROBE_OUT=str(out)), tmp_path / "stderr"))
+            assert rc == (0, None), (tmp_path / "stderr").read_text()
+            stdin, stdout, *pipes = out.read_text().split()
+            assert (stdin, stdout) == (os.devnull, os.devnull)
+            assert not set(pipes) & _own_pipes(), "the child holds the server's channel"
+        assert srv.restarts == 0
+    finally:
+        srv.close()
+    logged = capfdbinary.readouterr().err
+    if what == "banner":
+        assert b"banner printed at import" in logged
+    elif what == "binary":
+        assert JUNK in logged
+    elif what == "stdin":
+        assert (tmp_path / "stdin_seen").read_text() == repr(("", True))
+
+
+EXITS_AT_IMPORT = '''\
+import sys
+if "pytest" not in sys.modules:
+    {how}
+
+
+def main():
+    pass
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.parametrize("how, status", [("sys.exit(3)", 3), ('raise RuntimeError("no config file")', 1)])
+def test_a_module_that_exits_or_raises_as_the_server_imports_it_ends_each_child_as_a_fresh_interpreter(
+        tmp_path, capfd, how, status):
+    """The server lives on (no ServerDied): each child imports the module again and ends as a fresh
+    interpreter of it does, with the same status and stderr, so both runners give one verdict."""
+    (tmp_path / "gives_up.py").write_text(EXITS_AT_IMPORT.format(how=how))
+    env = _env(tmp_path)
+    fresh = subprocess.run([sys.executable, "-m", "gives_up"], env=env, capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == status
+    srv = ForkServer(["gives_up"], env=env)
+    try:
+        first = srv.proc.pid
+        for _ in range(2):
+            assert _within(120, lambda: srv.run("gives_up", [], env, tmp_path / "stderr")) == (status, None)
+            assert (tmp_path / "stderr").read_text().splitlines()[-1:] == fresh.stderr.splitlines()[-1:]
+        assert srv.proc.pid == first and srv.restarts == 0
+    finally:
+        srv.close()
+    if status == 3:
+        assert capfd.readouterr().err.count("forkserver: importing gives_up exited with status 3") == 1
+
+
+def test_a_server_that_dies_while_it_imports_is_refused_naming_the_module_and_status(tmp_path, monkeypatch):
+    """os._exit at import ends the server itself: the request fails at once with one message, a
+    refusal, and the server is not started again; the warm runner then runs the trainer fresh, and
+    its verdict is the fresh runner's."""
+    from conformance.model.adapters import TrainerAdapter
+    from conformance.model.process import RunSpec
+    from conformance.run.forkclient import WarmUpFailed
+    from conformance.run.warm import WarmRunner
+    monkeypatch.delenv(ROOT_ENV, raising=False)   # a server of its own: a root's child's status is the root's
+    (tmp_path / "dies_at_import.py").write_text('import os\nif "pytest" not in __import__("sys").modules:\n'
+                                                '    os._exit(3)\n')
+    env = _env(tmp_path)
+    srv = ForkServer(["dies_at_import"], env=env)
+    try:
+        for _ in range(2):
+            with pytest.raises(WarmUpFailed, match=r"^the fork server exited with status 3, while importing "
+                                                   r"dies_at_import, before it forked any trainer process$"):
+                _within(300, lambda: srv.run("dies_at_import", [], env, tmp_path / "stderr"))
+        assert srv.restarts == 0
+    finally:
+        srv.close()
+    runner = WarmRunner()
+    adapter = TrainerAdapter(name="dies", argv=(sys.executable, "-m", "dies_at_import"), pythonpath=(str(tmp_path),),
+                             spec="dies_at_import")
+    (tmp_path / "ckpt").mkdir()
+    try:
+        result = runner.run_process(adapter, RunSpec(1, 1, 0), (tmp_path / "ckpt").resolve(),
+                                    (tmp_path / "loss.jsonl").resolve())
+    finally:
+        runner.close()
+    assert result.returncode == 3
+    assert runner.refused["dies_at_import"] == ("the fork server exited with status 3, while importing dies_at_import, "
+                                                "before it forked any trainer process")
+
+
+WAITS = '''\
+import os, time
+
+
+def main():
+    open(os.environ["STARTED"], "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.environ["GO_ON"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _reply_pipe(srv: ForkServer) -> str:
+    """/proc path of the server's end of the pipe it writes and this process reads: its reply channel."""
+    def ends(pid: int, access: int) -> dict[str, str]:
+        found = {}
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                flags = next(line for line in open(f"/proc/{pid}/fdinfo/{fd}") if line.startswith("flags:"))
+            except OSError:
+                continue
+            if link.startswith("pipe:") and int(flags.split()[1], 8) & 3 == access:
+                found[link] = f"/proc/{pid}/fd/{fd}"
+        return found
+    theirs, mine = ends(srv.proc.pid, os.O_WRONLY), ends(os.getpid(), os.O_RDONLY)
+    (shared,) = set(theirs) & set(mine)
+    return theirs[shared]
+
+
+def _start_waiting_child(srv: ForkServer, tmp_path: Path, env: dict, **kw):
+    """Run the WAITS module on a thread; returns (thread's result box, thread) once the child runs."""
+    import threading
+    box: dict = {}
+    child_env = dict(env, STARTED=str(tmp_path / "started"), GO_ON=str(tmp_path / "go_on"))
+
+    def call():
+        try:
+            box["result"] = srv.run("waits", [], child_env, tmp_path / "stderr", **kw)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (tmp_path / "started").exists(), box
+    return box, thread
+
+
+def test_the_reader_survives_a_line_that_is_no_reply_and_ends_every_waiting_request_quoting_it(tmp_path):
+    (tmp_path / "waits.py").write_text(WAITS)
+    env = _env(tmp_path)
+    srv = ForkServer(["waits"], env=env)
+    try:
+        box, thread = _start_waiting_child(srv, tmp_path, env)
+        with open(_reply_pipe(srv), "wb") as channel:
+            channel.write(b"\xffnot a reply at all\n")
+        thread.join(30)
+        assert not thread.is_alive(), "the request still waits"
+        assert isinstance(box.get("error"), ServerDied), box
+        assert "carried a line that is no reply, '\ufffdnot a reply at all'" in str(box["error"])
+        assert "the suite was waiting for the exit status of waits process" in str(box["error"])
+        (tmp_path / "started").unlink()
+        (tmp_path / "go_on").touch()
+        box, thread = _start_waiting_child(srv, tmp_path, env)   # a new server answers the next request
+        thread.join(60)
+        assert box.get("result") == (0, None) and srv.restarts == 1, box
+    finally:
+        srv.close()
+
+
+def test_a_server_that_stops_answering_ends_the_request_saying_what_it_waited_for(tmp_path, monkeypatch):
+    from conformance.run import forkclient
+    monkeypatch.setattr(forkclient, "REPLY_S", 3.0, raising=False)
+    (tmp_path / "waits.py").write_text(WAITS)
+    env = _env(tmp_path)
+    srv = ForkServer(["waits"], env=env)
+    try:
+        def watch():   # the suite stops the child, and its server is frozen meanwhile: no status comes
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            return "stopped by the test"
+        box, thread = _start_waiting_child(srv, tmp_path, env, watch=watch)
+        thread.join(60)
+        assert not thread.is_alive(), "the request still waits"
+        assert isinstance(box.get("error"), ServerDied), box
+        assert re.search(r"^the fork server was ended: it reported no exit 3 s after the suite stopped waits process "
+                         r"\d+; the suite was waiting for the exit status of waits process \d+$", str(box["error"]))
+    finally:
+        srv.close()
+
+
+# Slow where the server imports it (not in pytest, nor as a child's __main__).
+SLOW_IMPORT = 'import time\nif __name__ != "__main__" and "pytest" not in __import__("sys").modules:\n    time.sleep({seconds})\n'
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_slow_import_is_waited_for_until_the_warm_up_deadline(tmp_path, monkeypatch, ok):
+    """The reply to a request sent while the server still imports is due REPLY_S after its warm-up,
+    not after the request; a warm-up past WARM_UP_S is refused, naming what it imported."""
+    from conformance.run import forkclient
+    monkeypatch.setattr(forkclient, "REPLY_S", 2.0, raising=False)
+    (tmp_path / "slow_import.py").write_text(SLOW_IMPORT.format(seconds=4 if ok else 120))
+    env = _env(tmp_path)
+    srv = ForkServer(["slow_import"], env=env)
+    try:
+        if ok:
+            assert _within(120, lambda: srv.run("slow_import", [], env, tmp_path / "stderr")) == (0, None)
+        else:
+            deadline = time.monotonic() + 120   # torch first (a loaded machine's seconds), then the module
+            while srv._link.warming != "importing slow_import" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            monkeypatch.setattr(forkclient, "WARM_UP_S", round(time.monotonic() - srv._link.started) + 3, raising=False)
+            with pytest.raises(forkclient.WarmUpFailed, match=r"^the fork server was ended: it had not finished its "
+                               r"warm-up \d+ s after it started, while importing slow_import, before it forked any "
+                               r"trainer process$"):
+                _within(60, lambda: srv.run("slow_import", [], env, tmp_path / "stderr"))
+    finally:
+        srv.close()
+
+
+# FileBaton's wait (torch/utils/file_baton.py), where the server imports it: poll until the lock is gone.
+STALE_LOCK_IMPORT = '''import os, time
+if __name__ != "__main__" and "pytest" not in __import__("sys").modules:
+    while os.path.exists({lock!r}):
+        time.sleep(0.1)
+'''
+
+
+def test_a_warm_up_that_waits_on_a_stale_lock_file_is_ended_naming_it_long_before_the_warm_up_deadline(
+        tmp_path, monkeypatch):
+    """A process killed while it held a lock file taken at import leaves it, and every later import
+    waits on it for ever: the server is asked what it waits on while it warms up, and ended naming
+    the file (the warm runner then runs the trainer fresh, whose watchdog names it too), instead of
+    being waited for until WARM_UP_S."""
+    from conformance.run import forkclient
+    monkeypatch.setattr(forkclient, "WARM_UP_PROBE_S", 1.0, raising=False)
+    lock = tmp_path / "torch_extensions" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    (tmp_path / "stale_lock_import.py").write_text(STALE_LOCK_IMPORT.format(lock=str(lock)))
+    env = _env(tmp_path)
+    srv = ForkServer(["stale_lock_import"], env=env)
+    try:
+        with pytest.raises(forkclient.WarmUpFailed, match=r"^the fork server was ended during its warm-up \(importing "
+                           r"stale_lock_import, \d+ s after it started\): it waits on " + re.escape(str(lock))
+                           + r" \(in 1 s it checked \d+ times whether that file exists"):
+            _within(forkclient.WARM_UP_S / 2, lambda: srv.run("stale_lock_import", [], env, tmp_path / "stderr"))
+    finally:
+        srv.close()
+
+
+def test_a_warm_up_that_is_only_slow_is_asked_what_it_waits_on_and_goes_on(tmp_path, monkeypatch):
+    """The probe claims a lock only where the calls show one: a sleeping import (a download, a
+    build) goes on to serve requests."""
+    from conformance.run import forkclient
+    monkeypatch.setattr(forkclient, "WARM_UP_PROBE_S", 1.0, raising=False)
+    (tmp_path / "slow_import.py").write_text(SLOW_IMPORT.format(seconds=5))
+    env = _env(tmp_path)
+    srv = ForkServer(["slow_import"], env=env)
+    try:
+        assert _within(120, lambda: srv.run("slow_import", [], env, tmp_path / "stderr")) == (0, None)
+        assert srv._link.probed_at > srv._link.started   # it was asked, and went on
     finally:
         srv.close()

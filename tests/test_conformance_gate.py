@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from resume_conformance.fixtures import CORRECT_TRAINERS
-from resume_conformance.fixtures.broken import CATALOGUE
+from resume_conformance.fixtures.broken import CATALOGUE, RACY
 
 from conformance.checks import BY_ID, all_check_ids, split_id
 from conformance.model.adapters import load_object
@@ -157,7 +157,7 @@ def _suite_options(check: str) -> tuple[str, ...]:
 def _broken_groups() -> list[list[str]]:
     """CATALOGUE's trainers in groups that need the same extra and the same suite options."""
     by_kind: dict[tuple, list[str]] = {}
-    for trainer in sorted(CATALOGUE):
+    for trainer in sorted(set(CATALOGUE) - RACY):   # a race is run until it fires: test_conformance_settle.py
         check = CATALOGUE[trainer][1]
         kind = (BROKEN_EXTRAS.get(trainer, ""), check.startswith("upgrade_resume"), check == "hang")
         by_kind.setdefault(kind, []).append(trainer)
@@ -167,7 +167,7 @@ def _broken_groups() -> list[list[str]]:
 
 def test_the_broken_groups_hold_every_catalogued_trainer_once():
     grouped = [t for group in _broken_groups() for t in group]
-    assert sorted(grouped) == sorted(CATALOGUE)
+    assert sorted(grouped) == sorted(set(CATALOGUE) - RACY) and RACY <= set(CATALOGUE)
     assert set(BROKEN_EXTRAS) <= set(CATALOGUE)
 
 

@@ -364,6 +364,31 @@ def test_a_run_without_a_report_is_a_failure_with_a_replay_of_the_whole_run(tmp_
     assert "-k" not in replay and f"--conformance-adapter={REF}" in replay and "--hypothesis-profile=conformance-quick" in replay
 
 
+def test_failures_settled_by_repetition_are_counted_per_run_and_in_all(tmp_path):
+    """A run's report says how its failures were settled (suite._confirmed): each failure's line names
+    its verdict, the run's line counts them, and the campaign ends with the totals."""
+    from conformance.model import evidence
+    from conformance.report import report
+    raced = evidence.Intermittent("all_or_nothing", "save:9/7@r1", (True, False), (False, True))
+    once = evidence.Intermittent("no_torn_state", "", (True, False), (False,))
+    split = evidence.RunnerDisagreement("interrupt", "", "[interrupt] warm only", "passed the same case 4 of 4 times")
+    cases = [report.Case("all_or_nothing", "t::a", "failed", message="[all_or_nothing] torn", evidence=[raced]),
+             report.Case("no_torn_state", "t::b", "failed", message="[no_torn_state] torn", evidence=[once]),
+             report.Case("interrupt", "t::c", "passed", evidence=[split])]
+    report.write_report(report.Report({}, None, None, "", "", cases), tmp_path / "run")
+    outcome = soak.run_pytest([sys.executable, "-c", "pass"], tmp_path / "run")
+    assert outcome.settled == [raced, once] and outcome.disagreements == 1
+    plan = planned("--adapter", REF, "--runs", "1", "--workers", "0", tmp_path=tmp_path)
+    lines = []
+    assert soak.campaign(plan, run=lambda cmd, d: outcome, out=lambda *a, **k: lines.append(" ".join(map(str, a)))) == 1
+    text = "\n".join(lines)
+    assert (f"{REF} run 1/1 seed 0 (fixed): 3 failure(s) (1 intermittent, 1 not reproducible, 1 runner "
+            "disagreement(s)), 2 failed, 1 passed") in text, text
+    assert (f"  FAIL {REF} run 1: all_or_nothing: [all_or_nothing] torn (seed 0 (fixed)); INTERMITTENT: all_or_nothing "
+            "(save:9/7@r1) failed 2 of 4 runs of the case") in text, text
+    assert "soak: failures settled by repetition: 1 intermittent, 1 not reproducible; 1 runner disagreement(s)" in text
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

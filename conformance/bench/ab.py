@@ -119,8 +119,12 @@ class ABSide:
 
     def _reply(self) -> dict[str, Any]:
         line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
+        if not line:   # it closed its stdout: it is exiting (a killed one is gone within the minute too)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=60)
             self.log.seek(0)
             raise RuntimeError(f"{self.root}: the A/B worker exited {self.proc.returncode}:\n{self.log.read()[-3000:]}")
         return json.loads(line)
@@ -137,7 +141,7 @@ class ABSide:
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
-                self.proc.wait()
+                self.proc.wait(timeout=60)   # SIGKILLed: gone within the minute, or TimeoutExpired names it
         self.log.close()
 
 

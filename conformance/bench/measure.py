@@ -49,9 +49,14 @@ from .ab import ab, format_ab, interleaved_trials, median_time, spread
 from .digests import digest_seconds
 from .targets import MARKER, MULTIRANK_ADAPTER, TARGETS, format_markdown, met
 
+# How long a bare `import torch` may take: seconds on a quiet machine, and however loaded the machine
+# is, a benchmark that waits longer measures nothing.
+IMPORT_S = 600
+
 
 def bare_import_seconds(repeats: int) -> tuple[float, list[float]]:
-    return median_time(lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True), repeats)
+    return median_time(lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=IMPORT_S),
+                       repeats)
 
 
 class TrialTimer:
@@ -293,7 +298,7 @@ def run(repeats: int, fresh_repeats: int, with_ci: bool) -> dict[str, Any]:
 
 def _torch_version() -> str | None:
     out = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, timeout=IMPORT_S)
     return out.stdout.strip() or None
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from ..faults.injection import StateNotRebuilt
 from ..faults.scenario import CrashPointMissing
 from ..model import evidence
 from ..model.process import RunSpec
@@ -46,13 +47,23 @@ def usable_states(run: RecordedRun, param: str) -> list[int]:
 
 
 def draw_state(baseline: RecordedRun, param: str) -> st.SearchStrategy[int]:
-    """An op index inside a save where the fault leaves a committed checkpoint to damage."""
+    """An op index inside a save where the fault leaves a committed checkpoint to damage. A drawn
+    state that cannot be rebuilt is left out as an undelivered draw (StateNotRebuilt); when none
+    can be, the check is not judged."""
+    if baseline.unreplayable:
+        raise CheckNotApplicable(f"not judged: the recorded run cannot be replayed offline, so no state can be "
+                                 f"rebuilt ({baseline.unreplayable}); this says nothing of the trainer")
     found = usable_states(baseline, param)
     if not found:
         why = ("no power cut inside a save leaves a committed checkpoint whole (its data is never fsynced: "
                "see power_loss[data])" if _MODEL[param] == "power" else
                "no save is interrupted after a committed one (the run has fewer than two saves)")
         raise CheckNotApplicable(f"nothing to damage: {why}")
+    left = retained.left_out(baseline, _MODEL[param], found)
+    if len(left) == len(found):
+        raise CheckNotApplicable(f"not judged: none of the {len(found)} states this check can draw can be rebuilt "
+                                 f"offline (e.g. before op #{found[0]}: {left[found[0]]}); this says nothing of the "
+                                 "trainer")
     # Half the draws go to states where retention holds all it keeps (the early saves of a run cannot
     # show a restore point deleted before its time), latest first: the simplest example Hypothesis
     # tries is then the last state before a commit, by which any early deletion has happened. The
@@ -74,8 +85,7 @@ def _steady_states(run: RecordedRun, param: str) -> list[int]:
 def compound_faults(session: Session, check: str, spec: RunSpec, param: str, before) -> None:
     run = session.baseline(spec)
     if run.unreplayable:
-        raise session.fail(check, spec, f"the recorded run cannot be replayed offline: {run.unreplayable}",
-                           details="  (an unreplayable recording is reported, never passed)")
+        raise StateNotRebuilt(f"the recorded run cannot be replayed offline: {run.unreplayable}")
     usable = usable_states(run, param)
     before = int(before) if before is not None else usable[0]
     if before not in usable:   # a replayed label from another run of a trainer that changed since
@@ -85,7 +95,7 @@ def compound_faults(session: Session, check: str, spec: RunSpec, param: str, bef
     try:
         built = retained.compound_state(run, _MODEL[param], before)
     except UnreplayableTrace as exc:
-        raise session.fail(check, spec, f"the recorded run cannot be replayed offline: {exc}") from None
+        raise StateNotRebuilt(f"the state before op #{before} cannot be rebuilt offline: {exc}") from None
     if built is None:
         raise CrashPointMissing(f"before op #{before} no committed checkpoint is left intact to damage")
     state, files, dirs, links = built

@@ -119,8 +119,9 @@ def format_mismatches(rows, limit: int = 5, columns: tuple[str, str] = ("baselin
 
 
 def replay_command(adapter: TrainerAdapter, check: str, spec: RunSpec, case: dict[str, str] | None = None) -> str:
-    """`python -m conformance replay ...` for one case; `case` holds the check's own options."""
-    parts = ["python", "-m", "conformance", "replay", *adapter.replay_args(), f"--check={check}",
+    """`python -m conformance replay ...` for one case (after `env NAME=VALUE` where the run carries
+    variables: TrainerAdapter.replay_env); `case` holds the check's own options."""
+    parts = [*adapter.replay_env(), "python", "-m", "conformance", "replay", *adapter.replay_args(), f"--check={check}",
              f"--total-steps={spec.total_steps}", f"--save-every={spec.save_every}", f"--seed={spec.seed}"]
     parts += [f"--{k.replace('_', '-')}={v}" for k, v in (case or {}).items()]
     return " ".join(shlex.quote(p) for p in parts)
@@ -136,6 +137,9 @@ def fail(check: str, adapter: TrainerAdapter, spec: RunSpec, problem: str, *, de
     if details:
         lines.append(details.rstrip())
     lines.append(f"  replay:   {replay_command(adapter, check, spec, case)}")
+    note = adapter.replay_note()
+    if note:
+        lines.append(f"            {note}")
     failure = ConformanceFailure("\n".join(lines))
     failure.spec, failure.case, failure.fix = spec, case, fix
     return failure

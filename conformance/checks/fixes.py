@@ -122,7 +122,22 @@ POINTER_DELETED = CauseFix(
     "that is not there or not complete, scan the directory for the newest checkpoint that is complete and verifies, "
     "and resume from it; write the pointer last (temp file, fsync, os.replace)")
 
-CAUSE_FIXES: tuple[CauseFix, ...] = (ERRNO_LOST, FSYNC_FAILED_COMMITTED, POINTER_DELETED)
+EXITED_BEFORE_STEP_1 = CauseFix(
+    "determinism_precondition", "an uninterrupted run exited non-zero before it logged any step (at import or set-up)",
+    "make the trainer start under the suite's environment: run the command of the run line by hand with the "
+    "CONFORMANCE_* variables set and read its stderr (shown above); a module that calls sys.exit() or raises while it is "
+    "imported or set up (a missing variable, a device or version check, a lock another process holds) stops every "
+    "process the suite starts")
+
+STALLED_BEFORE_STEP_1 = CauseFix(
+    "determinism_precondition", "an uninterrupted run was stopped, stalled or over its time limit, before it logged "
+    "any step",
+    "find what the trainer waits on before its first step (the message says what the suite saw): remove a stale lock "
+    "file that a process killed while holding it left behind, and give every wait at start (a lock, a download, a "
+    "rendezvous, a read of stdin) a timeout that raises naming what it waited for")
+
+CAUSE_FIXES: tuple[CauseFix, ...] = (ERRNO_LOST, FSYNC_FAILED_COMMITTED, POINTER_DELETED, EXITED_BEFORE_STEP_1,
+                                     STALLED_BEFORE_STEP_1)
 
 
 def fix_line(check_id: str, fix: CauseFix | None = None) -> str:

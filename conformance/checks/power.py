@@ -22,7 +22,15 @@ from ..trace.recording import UnreplayableTrace
 from .common import resumed_from
 from .failures import CheckNotApplicable, loss_mismatches, stderr_tail
 from .session import Session
-from .states import MAX_STATE_FAILURES, decide_states, looked_at, observed_run, resumed_past
+from .states import (
+    MAX_STATE_FAILURES,
+    decide_states,
+    left_out_reasons,
+    looked_at,
+    not_judged,
+    observed_run,
+    resumed_past,
+)
 from .tolerance import Tolerance
 
 
@@ -36,6 +44,7 @@ class PowerState:
     lost: str                    # what the cut lost of the completed save, for messages
     content: str = ""            # digest of the directory the cut leaves
     view: DirectoryView | None = dataclasses.field(default=None, compare=False, repr=False)
+    left_out: str = ""           # why this state cannot be rebuilt ("" when it can): it is not decided
 
     @property
     def verdict_key(self) -> tuple:
@@ -73,7 +82,7 @@ def power_states(session: Session, spec: RunSpec, model: str) -> tuple[list[Powe
         lost = _what_was_lost(cut, finals.get(completed, {})) if completed and completed not in intact else ""
         op = run.ops[i]
         states.append(PowerState(i, f"power cut before op #{i} ({run.role(i)}: {op.describe()})", completed,
-                                 run.in_progress(i), intact, lost, view.key, view))
+                                 run.in_progress(i), intact, lost, view.key, view, cut.left_out))
         cuts[i] = cut
     return states, cuts
 
@@ -130,25 +139,34 @@ def decide_power_state(session: Session, spec: RunSpec, state: PowerState, cut: 
 
 
 def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: str | None = None) -> int:
-    """Every state a power cut can leave during one recorded run, under `model`."""
+    """Every state a power cut can leave during one recorded run, under `model`; returns how many were
+    decided. States that cannot be rebuilt are left out and counted; with every state left out, it
+    is not judged."""
     try:
         states, cuts = power_states(session, spec, model)
     except UnreplayableTrace as exc:
-        raise session.fail(check, spec, f"the recorded run cannot be replayed offline: {exc}",
-                           details="  (an unreplayable recording is reported, never passed)") from None
+        run = session.baseline(spec)
+        evidence.record(evidence.PowerLoss(model=model, states=len(run.mutations), failed=0, left_out=len(run.mutations),
+                                           left_out_reasons=(str(exc),)))
+        raise CheckNotApplicable(f"not judged: the recorded run cannot be replayed offline ({exc}), so no power-loss "
+                                 "state can be rebuilt; this says nothing of the trainer") from None
     if only is not None:
         states = [s for s in states if s.label == only]
         if not states:
             raise CheckNotApplicable(f"no power-loss state {only!r} in this run: labels are op numbers")
-    same = distinct(states)
+    left = [(s, s.left_out) for s in states if s.left_out]
+    same = distinct([s for s in states if not s.left_out])
     directories = len(same)   # cuts that leave the same directory, judged alike, are decided once
     shared = session.resumes_shared
     failures = decide_states(session, f"power-{model}", "power", same,
                              lambda state, d, observe: decide_power_state(session, spec, state, cuts[state.before], d,
-                                                                          observe))
+                                                                          observe), left)
     evidence.record(evidence.PowerLoss(model=model, states=len(states), failed=len(failures),
                                        failing=tuple(s.label for s, _, _ in failures), distinct=directories,
-                                       resumed=len(same), shared=session.resumes_shared - shared))
+                                       resumed=len(same), shared=session.resumes_shared - shared,
+                                       left_out=len(left), left_out_reasons=left_out_reasons(left)))
+    if not same and left:
+        raise not_judged("power-loss states", left)
     if failures:
         state, problem, result = failures[0]
         problem += same_directory_note(same[state], "power cuts before ops")
@@ -161,4 +179,4 @@ def power_loss(session: Session, check: str, spec: RunSpec, model: str, only: st
                     + f"\n  stderr:\n{stderr_tail(result.stderr)}"
                     + (f"\n  other failing states (first {MAX_STATE_FAILURES}):{others}" if others else ""),
             case={"state": state.label})
-    return len(states)
+    return len(states) - len(left)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from ..faults import strategies
 from ..faults.corrupt import KINDS
+from ..model import evidence
 from ..model.crash import ColdFault, CrashPoint, Schedule, bound, format_schedule, parse_schedule
 from ..model.process import RunSpec
 from ..run.runners import ProcessOverran
@@ -95,6 +96,9 @@ class Check:
         except ConformanceFailure as exc:     # every failure ends with what to change
             if "\n  fix:" not in str(exc):
                 exc.args = (f"{exc}\n{fix_line(check_id, exc.fix)}",)
+            for warning in evidence.warnings():   # a helper that can race the next start (run/watchdog.py)
+                if warning not in str(exc):
+                    exc.args = (f"{exc}\n  warning:  {warning}",)
             raise
 
     def _run(self, session: Session, check_id: str, spec: RunSpec, param: str | None, case: object) -> object:
@@ -317,7 +321,7 @@ def skip_reason(check: Check, session: Session, spec: RunSpec) -> str | None:
             if session.adapter.world_size < 2:
                 return "needs a multi-rank trainer (world size >= 2: --world-size or the adapter's world_size)"
         elif not session.adapter.has(need):
-            return f"adapter lacks capability '{need}'"
+            return session.adapter.lacks(need)
     if check.id != "determinism_precondition":
         try:
             session.baseline(spec)

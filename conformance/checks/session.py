@@ -25,6 +25,7 @@ from ..trace.recording import RecordedRun
 from ..trace.strace import strace_problem
 from . import digests, noise
 from .failures import ConformanceFailure, fail, loss_mismatches, stderr_tail
+from .fixes import EXITED_BEFORE_STEP_1, STALLED_BEFORE_STEP_1
 from .scratch import scratch_root
 from .tolerance import Tolerance
 
@@ -106,7 +107,7 @@ class Session:
         """This trainer under a fresh interpreter per process, with this session's settings, in a
         directory of its own (None when this session's runner starts fresh interpreters already):
         where a failure found under the warm runner is replayed before it is reported."""
-        if self.runner.fresh() is self.runner:
+        if self.runner.fresh() is self.runner or (isinstance(self.runner, WarmRunner) and self.runner.runs_fresh(self.adapter)):
             return None
         with self._lock:
             if self._twin is None:
@@ -179,11 +180,18 @@ class Session:
             what = "the first uninterrupted run" if tag == "baseline" else "an uninterrupted run"
             raise self.fail("determinism_precondition", spec, f"{what}: the trainer {exc.problem}",
                             details=(exc.details + "\n" if exc.details else "") + "  stderr:\n"
-                            + stderr_tail(exc.result.stderr)) from None
+                            + stderr_tail(exc.result.stderr),
+                            fix=None if exc.result.losses else STALLED_BEFORE_STEP_1) from None
         if tag == "baseline":
             self.runner.limits = self.limits_after(run)
         if spec.world_size > 1:
             self._check_rank_logs(spec, run, tag)
+        if run.result.returncode != 0 and not run.losses:
+            raise self.fail("determinism_precondition", spec,
+                            f"an uninterrupted run of {self.adapter.spec.removeprefix('cmd:') or self.adapter.name} "
+                            f"exited {run.result.returncode} before it logged step 1: no check can run a trainer that "
+                            "does not start",
+                            details="  stderr:\n" + stderr_tail(run.result.stderr), fix=EXITED_BEFORE_STEP_1)
         if run.result.returncode != 0:
             raise self.fail("determinism_precondition", spec, f"an uninterrupted run exited {run.result.returncode}",
                             details="  stderr:\n" + stderr_tail(run.result.stderr))

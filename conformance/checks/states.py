@@ -43,11 +43,14 @@ def _group(state) -> tuple | None:
     return None if view is None else (state.verdict_key[1:], view.names)
 
 
-def decide_states(session: Session, name: str, prefix: str, same: dict, decide) -> list:
+def decide_states(session: Session, name: str, prefix: str, same: dict, decide, left_out: list | None = None) -> list:
     """Decide the states `same` holds (distinct(): each representative -> the states that leave
     its directory), each in a fresh directory of its own: `decide(state, directory, observe)`
     returns (problem or None, result, the files its resume looked at or None: traced only with
-    `observe`). Several at once: states are independent, each one short process.
+    `observe`), or raises UnreplayableTrace when the state's directory cannot be built (a source
+    outside the trace changed since the run was recorded): that state and those that leave its
+    directory are left out, not decided, taken out of `same` and added to `left_out` as
+    (state, why). Several at once: states are independent, each one short process.
 
     A state whose directory differs from a decided one's only in files that one's resume never
     looked at (unseen.py) takes its verdict without running, and moves into its list in `same`
@@ -63,10 +66,16 @@ def decide_states(session: Session, name: str, prefix: str, same: dict, decide) 
 
     def one(state, observe: bool):
         d = Path(tempfile.mkdtemp(prefix=f"{prefix}-{state.label}-", dir=root))
-        problem, result, observed = decide(state, d, observe)
+        try:
+            problem, result, observed = decide(state, d, observe)
+        except UnreplayableTrace as exc:
+            shutil.rmtree(d, ignore_errors=True)
+            return state, None, None, None, str(exc)
         if problem is None:
             shutil.rmtree(d, ignore_errors=True)
-        return state, problem, result, observed
+        return state, problem, result, observed, ""
+
+    left_out = [] if left_out is None else left_out
 
     failures = []
     decided: dict[tuple, list] = {}   # group -> [(decided state, the files its resume looked at)]
@@ -89,7 +98,10 @@ def decide_states(session: Session, name: str, prefix: str, same: dict, decide) 
                             taken.add(group)
                 sizes = Counter(_group(state) for state in (*batch, *later))   # what is left to decide
                 observe = [_group(state) is not None and sizes[_group(state)] > 1 for state in batch]
-                for state, problem, result, observed in pool.map(one, batch, observe):
+                for state, problem, result, observed, why in pool.map(one, batch, observe):
+                    if why:
+                        left_out += [(s, why) for s in (state, *same.pop(state))]
+                        continue
                     if observed is not None and _group(state):
                         decided.setdefault(_group(state), []).append((state, observed))
                     if problem:
@@ -192,14 +204,31 @@ def decide_state(session: Session, spec: RunSpec, state: CrashState, directory: 
     return problem, result, looked_at(state, named, ckpt)
 
 
+def not_judged(what: str, left_out: list[tuple[object, str]]) -> CheckNotApplicable:
+    """The skip of a check none of whose states (`what`: "crash states") could be rebuilt offline:
+    the suite's limit, never a verdict."""
+    state, why = left_out[0]
+    return CheckNotApplicable(f"not judged: none of the {len(left_out)} {what} could be rebuilt offline, so none was "
+                              f"decided (state {state.label}: {why}); this says nothing of the trainer")
+
+
+def left_out_reasons(left_out: list[tuple[object, str]]) -> tuple[str, ...]:
+    """The first few distinct reasons states were left out, for the report."""
+    return tuple(dict.fromkeys(why for _, why in left_out))[:3]
+
+
 def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None, only: str | None = None) -> int:
-    """Every state a kill can leave during one recorded run; returns how many were checked."""
+    """Every state a kill can leave during one recorded run; returns how many were decided. States
+    that cannot be rebuilt are left out and counted; with every state left out, it is not judged."""
     run = session.baseline(spec)
     try:
         states = crash_states(run)
     except UnreplayableTrace as exc:
-        raise session.fail(check, spec, f"the recorded run cannot be replayed offline: {exc}",
-                           details="  (an unreplayable recording is reported, never passed)") from None
+        evidence.record(evidence.CrashStates(states=len(run.mutations), operations=len(run.mutations), failed=0,
+                                             left_out=len(run.mutations),
+                                             left_out_reasons=(str(exc),)))
+        raise CheckNotApplicable(f"not judged: the recorded run cannot be replayed offline ({exc}), so no crash state "
+                                 "can be rebuilt; this says nothing of the trainer") from None
     if only is not None:
         states = [s for s in states if s.label == only]
         if not states:
@@ -207,14 +236,18 @@ def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None,
             # interpreter's confirmation), or the label is mistyped.
             raise CheckNotApplicable(f"no crash state {only!r} in this run: labels are op numbers 0..{len(run.ops) - 1}, "
                                      "with a 't' suffix for a torn write")
-    same = distinct(states)
+    left = [(s, s.left_out) for s in states if s.left_out]
+    same = distinct([s for s in states if not s.left_out])
     directories = len(same)   # states that leave the same directory, judged alike, are decided once
     shared = session.resumes_shared
     failures = decide_states(session, "states", "state", same,
-                             lambda state, d, observe: decide_state(session, spec, state, d, observe))
+                             lambda state, d, observe: decide_state(session, spec, state, d, observe), left)
     evidence.record(evidence.CrashStates(states=len(states), operations=len(run.mutations), failed=len(failures),
                                          failing=tuple(s.label for s, _, _ in failures), distinct=directories,
-                                         resumed=len(same), shared=session.resumes_shared - shared))
+                                         resumed=len(same), shared=session.resumes_shared - shared,
+                                         left_out=len(left), left_out_reasons=left_out_reasons(left)))
+    if not same and left:
+        raise not_judged("crash states", left)
     if failures:
         state, problem, result = failures[0]
         others = "".join(f"\n    state {s.label}: {s.description}: {p}" for s, p, _ in failures[1:])
@@ -226,4 +259,4 @@ def crash_states_check(session: Session, check: str, spec: RunSpec, _param=None,
                     + f"\n  stderr:\n{stderr_tail(result.stderr)}"
                     + (f"\n  other failing states (first {MAX_STATE_FAILURES}):{others}" if others else ""),
             case={"state": state.label})
-    return len(states)
+    return len(states) - len(left)

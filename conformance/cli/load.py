@@ -47,7 +47,7 @@ class Burners:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+                proc.wait(timeout=60)   # SIGKILLed: gone within the minute, or TimeoutExpired names it
 
 
 def load_text() -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hypothesis import settings as _hypothesis_settings
 
+from ..model.evidence import Intermittent
 from ..model.settings import EXAMPLE_DB_PROBLEM, GATE_PROFILE, OLD_PROFILE_NAMES, PROFILES, SEEDED_PROFILES
 from .load import Burners, load_text
 
@@ -258,6 +259,17 @@ def _check_trainer(trainer: Trainer, world_size: str | None, nnodes: str | None 
 class Outcome:
     counts: dict[str, int]
     failures: list[tuple[str, str]]   # (check id, message); check "(no report)" when pytest wrote none
+    settled: list[Intermittent] = dataclasses.field(default_factory=list)   # failures replayed in both runners
+    disagreements: int = 0            # runner disagreements (each also one of `failures`)
+
+    def settled_text(self) -> str:
+        """How the run's failures were settled by repetition, where any were: " (1 intermittent, ...)"."""
+        raced = sum(e.reproduced for e in self.settled)
+        parts = [f"{raced} intermittent" if raced else "",
+                 f"{len(self.settled) - raced} not reproducible" if len(self.settled) > raced else "",
+                 f"{self.disagreements} runner disagreement(s)" if self.disagreements else ""]
+        shown = ", ".join(p for p in parts if p)
+        return f" ({shown})" if shown else ""
 
 
 def run_pytest(cmd: list[str], run_dir: Path) -> Outcome:
@@ -271,7 +283,8 @@ def run_pytest(cmd: list[str], run_dir: Path) -> Outcome:
     # A runner disagreement (the warm runner failed what a fresh interpreter passed) passes the check
     # but is a flaw of the suite's: a soak counts it as a failure.
     return Outcome(loaded.counts, [(c.check, c.message) for c in loaded.failed]
-                   + [(c.check, f"{found.summary()}\n{found.warm}") for c, found in loaded.disagreements])
+                   + [(c.check, f"{found.summary()}\n{found.warm}") for c, found in loaded.disagreements],
+                   [found for _, found in loaded.intermittent], len(loaded.disagreements))
 
 
 def _slug(text: str) -> str:
@@ -318,10 +331,12 @@ def campaign(plan: Plan, run: Callable[[list[str], Path], Outcome] | None = None
                         replay = plan.command(trainer, i, select=f"test_{select}" if select else None)
                         line = (f"{trainer.label} run {i}: {check}: {first[0] if first else ''} "
                                 f"(seed {plan.seed_text(i)})")
+                        line += "".join(f"; {e.summary()}" for e in outcome.settled if e.check == check)
                         failures.append((line, shlex.join(replay)))
                     rows.append((trainer.label, i, plan.seed_text(i), seconds, outcome))
                     out(f"{trainer.label} run {i}/{plan.runs} seed {plan.seed_text(i)}: "
-                        f"{len(outcome.failures)} failure(s), {_counts_text(outcome.counts)} in {seconds:.0f}s",
+                        f"{len(outcome.failures)} failure(s){outcome.settled_text()}, {_counts_text(outcome.counts)} "
+                        f"in {seconds:.0f}s",
                         flush=True)
             out(f"soak: at end: {load_text()}", flush=True)
     finally:
@@ -331,6 +346,10 @@ def campaign(plan: Plan, run: Callable[[list[str], Path], Outcome] | None = None
     out(_table(rows))
     out(f"\nsoak: {len(rows)} run(s) of the '{plan.profile}' profile against {len(plan.trainers)} trainer(s); "
         f"{sum(bool(r[4].failures) for r in rows)} run(s) with failures. Reports under {plan.out_dir}")
+    settled = [e for r in rows for e in r[4].settled]
+    raced = sum(e.reproduced for e in settled)
+    out(f"soak: failures settled by repetition: {raced} intermittent, {len(settled) - raced} not reproducible; "
+        f"{sum(r[4].disagreements for r in rows)} runner disagreement(s)")
     for line, replay in failures:
         out(f"  FAIL {line}")
         out(f"    replay: {replay}")

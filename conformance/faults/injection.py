@@ -20,6 +20,13 @@ from ..trace import recording, strace
 from .delivery import CrashNotLanded, CrashPointMissing, PlannedKill, choose_route, deliver
 from .scenario import plan, what_is_there
 
+
+class StateNotRebuilt(CrashPointMissing):
+    """The directory a case needs cannot be rebuilt offline (recording.UnreplayableTrace: a file whose
+    bytes the trace does not hold, from a source that changed since the run was recorded): the case
+    is left out, counted as an undelivered draw, and says nothing of the trainer."""
+
+
 ERRNOS = {"enospc": "ENOSPC", "edquot": "EDQUOT", "eio": "EIO"}
 # Syscalls an error can be injected into: the writes, syncs and namespace changes of a save.
 ERROR_SYSCALLS = frozenset({"write", "pwrite64", "writev", "pwritev", "pwritev2", "fsync", "fdatasync",
@@ -124,15 +131,27 @@ def run_fault(runner: Runner, adapter: TrainerAdapter, spec: RunSpec, point: Cra
                        counting=route.counting)
     first, first_run = runs[-1]
     if went_on_past is not None and first.returncode == 0:
-        replayer = Replayer()
-        for op in first_run.ops:
-            if op.save > went_on_past:
-                break
-            replayer.apply(op)
-        shutil.rmtree(ckpt)
-        replayer.materialize(ckpt)
+        rebuild_before_next_save(first_run, went_on_past, ckpt)
     final = runner.run_process(adapter, spec, ckpt, (workdir / "final-loss.jsonl").resolve()) if then_start else first
     return FaultOutcome(spec, point, action, kill, first, first_run, final, log)
+
+
+def rebuild_before_next_save(run: recording.RecordedRun, save: int, ckpt: Path) -> None:
+    """The directory a faulted process that went on left right before it began the save after
+    `save`, rebuilt at `ckpt` from its recording (with its data); StateNotRebuilt when it cannot be
+    (a file copied in from outside the trace changed since, a write the recording cut short)."""
+    replayer = Replayer()
+    for op in run.ops:
+        if op.save > save:
+            break
+        replayer.apply(op)
+    why = run.unreplayable or replayer.problem()
+    if why:
+        raise StateNotRebuilt(f"the faulted process went on, and the directory it left before its next save cannot "
+                              f"be rebuilt from its recording: {why}")
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    replayer.materialize(ckpt)
 
 
 def committed_after_failed_sync(run: recording.RecordedRun) -> str | None:

@@ -8,15 +8,19 @@ and trainer processes get the same directories on PYTHONPATH.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import importlib
 import os
+import re
 import shlex
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .flags import BY_NAME
 from .importing import current_spelling, python_target_problem, why_not_importable
 
 BUNDLED = "resume_conformance.fixtures.reference_trainer:ADAPTER"
@@ -74,6 +78,9 @@ class TrainerAdapter:
     nnodes: int = 1         # > 1: the ranks spread over that many torchrun agents ("nodes", launch.py)
     settings: tuple[str, ...] = ()   # the run's verdict-changing options (flags.replay_settings), for replay
     steps: int | None = None         # runs of this many steps instead of TOTAL_STEPS (>= it)
+    # --carry-env: each named variable with its value when the trainer was resolved (None: unset), for replay
+    carried_env: tuple[tuple[str, str | None], ...] = ()
+    env_left_out: tuple[str, ...] = ()   # variables set then that may choose the trainer's variant, not named
 
     def __post_init__(self):
         caps = frozenset(capabilities(self.capabilities, f"adapter {self.name!r}"))
@@ -93,18 +100,50 @@ class TrainerAdapter:
         from .settings import TOTAL_STEPS
         return self.steps or TOTAL_STEPS
 
+    @property
+    def is_command(self) -> bool:
+        """Named by --trainer-cmd: it declares capabilities through --capabilities."""
+        return self.spec.startswith("cmd:")
+
     def has(self, capability: str) -> bool:
         if capability == "legacy_samples":
             return bool(self.legacy_samples)
         return capability in self.capabilities
 
+    def lacks(self, capability: str) -> str:
+        """The skip message of a check that needs `capability`, which this trainer lacks."""
+        how = f" (a trainer command declares it: --capabilities={capability})" \
+            if self.is_command and capability in DECLARABLE else ""
+        return f"adapter lacks capability '{capability}'{how}"
+
     def replay_args(self) -> tuple[str, ...]:
         """Command-line arguments that name this trainer again, with the options it ran under (unquoted)."""
         ranks = (f"--world-size={self.world_size}",) if self.world_size > 1 else ()
         ranks += (f"--nnodes={self.nnodes}",) if self.nnodes > 1 else ()
-        if self.spec.startswith("cmd:"):
-            return (f"--trainer-cmd={self.spec[4:]}", *ranks, *self.settings)
-        return (f"--adapter={self.spec}", *ranks, *self.settings)
+        carried = (f"--carry-env={','.join(name for name, _ in self.carried_env)}",) if self.carried_env else ()
+        if self.is_command:
+            declared = sorted(self.capabilities - COMMAND_CAPABILITIES)
+            declared_args = (f"--capabilities={','.join(declared)}",) if declared else ()
+            return (f"--trainer-cmd={self.spec[4:]}", *declared_args, *ranks, *self.settings, *carried)
+        return (f"--adapter={self.spec}", *ranks, *self.settings, *carried)
+
+    def replay_env(self) -> tuple[str, ...]:
+        """What goes before `python` in the replay line (unquoted): `env` with each carried
+        variable as the run had it (NAME=VALUE, or -u NAME where it was unset), so that the replay's
+        own interpreter and every process it starts read them from their start, as the run's did."""
+        if not self.carried_env:
+            return ()
+        unset = [arg for name, value in self.carried_env if value is None for arg in ("-u", name)]
+        return ("env", *unset, *(f"{name}={value}" for name, value in self.carried_env if value is not None))
+
+    def replay_note(self) -> str | None:
+        """The line under the replay line naming what it does not carry, or None."""
+        if not self.env_left_out:
+            return None
+        names = ", ".join(self.env_left_out)
+        return (f"not carried: {names} (set in this run; variables of this kind can choose the trainer's variant: "
+                f"--carry-env={','.join(n for n, _ in self.carried_env) + ',' if self.carried_env else ''}"
+                f"{','.join(self.env_left_out)} puts their values in the replay line)")
 
     def environment(self, env: dict[str, str]) -> dict[str, str]:
         """`env` with this adapter's import directories first on PYTHONPATH."""
@@ -122,6 +161,7 @@ def import_dirs(rootdir: str | os.PathLike | None = None) -> tuple[str, ...]:
 
 
 def command_adapter(cmd: str, *, capabilities: frozenset[str] | None = None) -> TrainerAdapter:
+    """The trainer `cmd` starts, with COMMAND_CAPABILITIES and `capabilities`."""
     argv = tuple(shlex.split(cmd))
     if not argv:
         raise AdapterError("--trainer-cmd is empty", 'give the command that starts your trainer, e.g. '
@@ -138,7 +178,7 @@ def command_adapter(cmd: str, *, capabilities: frozenset[str] | None = None) -> 
     if problem:
         raise AdapterError(f"--trainer-cmd {cmd!r}: {problem[0]}", problem[1])
     return TrainerAdapter(name=Path(argv[-1]).name if len(argv) == 1 else " ".join(argv[-2:]),
-                          argv=argv, capabilities=capabilities or frozenset({"syscall_crash"}),
+                          argv=argv, capabilities=COMMAND_CAPABILITIES | (capabilities or frozenset()),
                           spec=f"cmd:{cmd}", pythonpath=import_dirs())
 
 
@@ -244,8 +284,11 @@ def checked_shape(adapter: TrainerAdapter) -> TrainerAdapter:
 
 
 def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.PathLike | None = None,
-            world_size: int | str | None = None, nnodes: int | str | None = None) -> TrainerAdapter:
-    """The trainer under test; `world_size` and `nnodes` (options) override the adapter's own."""
+            world_size: int | str | None = None, nnodes: int | str | None = None, capabilities: str | None = None,
+            carry_env: str | None = None, environ: Mapping[str, str] | None = None) -> TrainerAdapter:
+    """The trainer under test; `world_size` and `nnodes` (options) override the adapter's own;
+    `capabilities` and `carry_env` are the options' text (declared()). `environ`: the run's
+    environment (default: this process's)."""
     if adapter and trainer_cmd:
         raise AdapterError("both an adapter and a trainer command are given", "keep one of --adapter and --trainer-cmd")
     found = command_adapter(trainer_cmd) if trainer_cmd else python_adapter(adapter or BUNDLED, import_dirs(rootdir))
@@ -253,4 +296,82 @@ def resolve(adapter: str | None, trainer_cmd: str | None, *, rootdir: str | os.P
         found = dataclasses.replace(found, world_size=checked_world_size(world_size, "--world-size"))
     if nnodes is not None:
         found = dataclasses.replace(found, nnodes=checked_world_size(nnodes, "--nnodes", "nodes"))
+    found = declared(found, capabilities, carry_env, os.environ if environ is None else environ)
     return checked_shape(found)   # its capabilities and steps were checked when it was made
+
+
+# -- what the options declare for any trainer: capabilities, and the environment its replay carries --
+COMMAND_CAPABILITIES = frozenset({Capability.SYSCALL_CRASH})   # what a trainer command has undeclared
+# What --capabilities may name: legacy_samples is an adapter's list of sample checkpoints, not a name.
+DECLARABLE = KNOWN_CAPABILITIES - {Capability.LEGACY_SAMPLES}
+
+# Variables through which the libraries a PyTorch trainer is built on choose what it computes
+# (DeepSpeed's DS_ACCELERATOR, Accelerate's ACCELERATE_MIXED_PRECISION, NCCL's reduction algorithm,
+# the number of threads a CPU reduction is split over): set in a run and not carried, its replay may
+# train another variant. A name that says where files are or who the user is is not one of them.
+VARIANT_PREFIXES = ("DS_", "DEEPSPEED_", "ACCELERATE_", "LIGHTNING_", "PL_", "TORCH_", "PYTORCH_", "NCCL_", "CUBLAS_",
+                    "CUDNN_")
+VARIANT_NAMES = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED"})
+NOT_VARIANT_SUFFIXES = ("_HOME", "_CACHE", "_DIR", "_PATH", "_TOKEN", "_KEY")
+SUITE_PREFIX = "CONFORMANCE_"   # the suite's own namespace: the contract's variables, set for every trainer process
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def names(text: str | None) -> list[str]:
+    """An option's list of names: separated by commas or white space (an ini value may span lines)."""
+    return [n for n in re.split(r"[\s,]+", text or "") if n]
+
+
+def declared(found: TrainerAdapter, capability_names: str | None, carry_env: str | None,
+             environ: Mapping[str, str]) -> TrainerAdapter:
+    """`found` with what the options declare: --capabilities (a trainer command's, besides
+    COMMAND_CAPABILITIES) and --carry-env (any trainer's), whose values are taken from `environ`
+    now, with the variables there that may choose the trainer's variant but are not named."""
+    option = BY_NAME["capabilities"]
+    given = names(capability_names)
+    if given:
+        where = f"{option.spelling} (ini key {option.ini_key})"
+        if not found.is_command:
+            raise AdapterError(f"{where} declares a trainer command's capabilities, but the trainer is the Python adapter "
+                               f"{found.spec!r}, which declares its own ({', '.join(sorted(found.capabilities)) or 'none'})",
+                               "declare them in the adapter's `capabilities` (the adapter is the one place that says "
+                               f"what it can do), or drop {option.spelling}")
+        if Capability.LEGACY_SAMPLES in given:
+            raise AdapterError(f"{where}: legacy_samples is not declared by name: it is the list of a Python adapter's "
+                               "sample checkpoints (LegacySample(path, name, seed, step))",
+                               "give schema_migration its samples through a Python adapter's `legacy_samples`, or "
+                               f"drop legacy_samples from {option.spelling}")
+        unknown = [n for n in given if n not in KNOWN_CAPABILITIES]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], sorted(map(str, DECLARABLE)), n=1, cutoff=0.5)
+            raise AdapterError(f"{where}: {unknown[0]!r} is not a capability"
+                               + (f" (did you mean {near[0]!r}?)" if near else ""),
+                               f"give names of conformance.Capability, comma-separated: {', '.join(sorted(DECLARABLE))}")
+        found = dataclasses.replace(found, capabilities=found.capabilities | capabilities(given, where))
+    carried = carried_names(carry_env)
+    left_out = tuple(sorted(n for n, value in environ.items() if value and n not in carried and variant_variable(n)))
+    return dataclasses.replace(found, carried_env=tuple((n, environ.get(n)) for n in carried), env_left_out=left_out)
+
+
+def carried_names(text: str | None) -> tuple[str, ...]:
+    """--carry-env's names, checked: environment variable names, none of the suite's own."""
+    option = BY_NAME["carry_env"]
+    where = f"{option.spelling} (ini key {option.ini_key})"
+    given = names(text)
+    for name in given:
+        if not _ENV_NAME.fullmatch(name):
+            raise AdapterError(f"{where}: {name!r} is not an environment variable's name",
+                               f"give names only, comma-separated, e.g. {option.spelling}=DS_ZERO_STAGE,MY_VARIANT: "
+                               "the replay line takes their values from this run")
+        if name.startswith(SUITE_PREFIX):
+            raise AdapterError(f"{where}: {name} is in the suite's own namespace ({SUITE_PREFIX}*): the suite sets the "
+                               "contract's variables for every trainer process itself, and never carries one",
+                               f"leave {name} out of {option.spelling}")
+    return tuple(dict.fromkeys(given))
+
+
+def variant_variable(name: str) -> bool:
+    """Whether a variable may choose the trainer's variant (VARIANT_PREFIXES, VARIANT_NAMES)."""
+    if name in VARIANT_NAMES:
+        return True
+    return name.startswith(VARIANT_PREFIXES) and not name.endswith(NOT_VARIANT_SUFFIXES)

@@ -79,6 +79,8 @@ class Evidence:
             values["mismatches"] = tuple(Mismatch(**m) for m in values["mismatches"] or ())
         if "crashes" in values:
             values["crashes"] = tuple(CrashRecord(**c) for c in values["crashes"] or ())
+        if "helpers" in values:
+            values["helpers"] = tuple(Helper(**{**h, "paths": tuple(h.get("paths") or ())}) for h in values["helpers"] or ())
         for name in ("max_abs_diff",):
             if name in values:
                 values[name] = _number(values[name])
@@ -146,11 +148,25 @@ class CrashStates(Evidence):
     distinct: int = 0            # distinct directories (states that leave the same one are decided once)
     resumed: int = 0             # states run (the others differ only in files a resume never looked at)
     shared: int = 0              # resumes another offline check had run in a directory with the same files
+    left_out: int = 0            # states the suite could not rebuild (not decided: its problem, not the trainer's)
+    left_out_reasons: tuple[str, ...] = ()
 
     def summary(self) -> str:
+        if self.left_out:
+            return (f"{self.states} crash states from {self.operations} recorded operations, "
+                    f"{left_out(self.left_out, self.left_out_reasons)}"
+                    + (f" ({decided(self.distinct, self.resumed, self.shared)})" if self.distinct else "")
+                    + (f", {self.failed}+ failing" if self.failed else ", the rest resumed correctly" if self.resumed
+                       else ""))
         return (f"{self.states} crash states rebuilt from {self.operations} recorded operations"
                 + (f" ({decided(self.distinct, self.resumed, self.shared)})" if self.distinct else "")
                 + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
+
+
+def left_out(count: int, reasons: tuple[str, ...]) -> str:
+    """States the suite could not rebuild, counted with the first reason: its problem, never the trainer's."""
+    return (f"{count} left out because the suite cannot rebuild them" + (f" (e.g. {reasons[0]})" if reasons else "")
+            + ": not decided")
 
 
 def decided(distinct: int, resumed: int, shared: int = 0) -> str:
@@ -172,11 +188,15 @@ class PowerLoss(Evidence):
     distinct: int = 0
     resumed: int = 0
     shared: int = 0
+    left_out: int = 0            # states the suite could not rebuild (not decided: its problem, not the trainer's)
+    left_out_reasons: tuple[str, ...] = ()
 
     def summary(self) -> str:
         return (f"{self.states} power-loss states ({self.model} model"
                 + (f", {decided(self.distinct, self.resumed, self.shared)})" if self.distinct else ")")
-                + (f", {self.failed}+ failing" if self.failed else ", all resumed correctly"))
+                + (f", {left_out(self.left_out, self.left_out_reasons)}" if self.left_out else "")
+                + (f", {self.failed}+ failing" if self.failed else ", the rest resumed correctly" if self.left_out
+                   and self.resumed else "" if self.left_out else ", all resumed correctly"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,19 +269,61 @@ class Plot(Evidence):
 
 @dataclasses.dataclass(frozen=True)
 class RunnerDisagreement(Evidence):
-    """A case the warm runner failed and a fresh interpreter per process passed, replayed once:
-    the warm runner did not stand in for a real restart. The suite's problem, never the trainer's
-    failure."""
+    """A case the warm runner failed every time it ran it and a fresh interpreter per process passed
+    every time (suite.py replays it in both): the warm runner did not stand in for a real restart.
+    The suite's problem, never the trainer's failure."""
 
     kind: ClassVar[str] = "runner_disagreement"
     check: str
     case: str
     warm: str      # the warm run's failure, as it was reported
-    fresh: str     # what the fresh replay did
+    fresh: str     # what the fresh replays did
 
     def summary(self) -> str:
         return (f"RUNNER DISAGREEMENT: the warm runner failed {self.check}{f' ({self.case})' if self.case else ''} "
                 f"and a fresh interpreter {self.fresh}: the suite's problem, not the trainer's")
+
+
+def _runs_text(failed: tuple[bool, ...]) -> str:
+    return ", ".join("failed" if f else "passed" for f in failed) or "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Intermittent(Evidence):
+    """A failing case replayed in both runners (suite.py) whose verdict changed between runs of that
+    one case, or that never failed again: the trainer's failure either way, with every run's outcome
+    per runner. `reproduced`: it failed again in some replay (intermittent), else it was not
+    reproducible."""
+
+    kind: ClassVar[str] = "intermittent"
+    check: str
+    case: str
+    warm: tuple[bool, ...]     # each warm run of the case, in order, failed (True) or passed; the first found it
+    fresh: tuple[bool, ...]    # each fresh replay, in order
+    undelivered: int = 0       # replays not delivered (no such case, fault not landed): neither failed nor passed
+    shape: str = ""            # the race's likely shape, from the evidence, or "cannot tell" and the candidates
+
+    @property
+    def failed(self) -> int:
+        return sum(self.warm) + sum(self.fresh)
+
+    @property
+    def runs(self) -> int:
+        return len(self.warm) + len(self.fresh)
+
+    @property
+    def reproduced(self) -> bool:
+        return self.failed > 1
+
+    def outcomes(self) -> str:
+        return (f"warm runner: {_runs_text(self.warm)}; fresh interpreter: {_runs_text(self.fresh)}"
+                + (f"; {self.undelivered} more not delivered (no such case in its run, or its fault not landed "
+                   "where planned)" if self.undelivered else ""))
+
+    def summary(self) -> str:
+        what = "INTERMITTENT" if self.reproduced else "NOT REPRODUCIBLE"
+        return (f"{what}: {self.check}{f' ({self.case})' if self.case else ''} failed {self.failed} of {self.runs} "
+                f"runs of the case ({self.outcomes()})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,9 +375,62 @@ class Draws(Evidence):
         return f"{self.delivered} of {total} drawn case(s) delivered; {self.undelivered} could not be{why}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Helper:
+    """A process a trainer started that was still running when the trainer's own process ended."""
+
+    pid: int
+    command: str
+    wrote_checkpoint: bool = False   # it wrote under the checkpoint directory after the trainer exited (as far as
+    #                                  the run's trace shows, or the moment the suite watched it before ending it)
+    paths: tuple[str, ...] = ()      # what it wrote there, relative to the checkpoint directory
+    ended: bool = True               # the suite ended it (False: it exited by itself, after the trainer)
+
+
+HELPERS_SHOWN = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class HelpersLeft(Evidence):
+    """Processes trainers started (a data server, a logging service) and left running when their
+    own process ended, for one test: each trainer's own exit status counted, and the suite ended
+    them (run/watchdog.py). One that wrote under the checkpoint directory after its trainer exited
+    is a warning: in production it can race the next start."""
+
+    kind: ClassVar[str] = "helpers_left"
+    runs: int                         # trainer processes (or jobs) that left helpers running
+    count: int                        # helpers, in all
+    helpers: tuple[Helper, ...]       # the first HELPERS_SHOWN, those that wrote first
+    unattributed: tuple[str, ...] = ()   # paths that changed under the checkpoint directory after a trainer
+    #                                      exited while only its helpers ran, not tied to one of them
+
+    @property
+    def wrote(self) -> bool:
+        return bool(self.unattributed) or any(h.wrote_checkpoint for h in self.helpers)
+
+    def summary(self) -> str:
+        shown = "; ".join(f"pid {h.pid} `{' '.join(h.command.split())[:100]}`"
+                          + (f" wrote {', '.join(h.paths[:3])} after its trainer exited" if h.paths else "")
+                          + ("" if h.ended else ", then exited by itself") for h in self.helpers)
+        more = f" and {self.count - len(self.helpers)} more" if self.count > len(self.helpers) else ""
+        text = (f"{self.count} helper process(es) outlived the trainer process that started them ({self.runs} run(s)): "
+                f"{shown}{more}; each trainer's own exit status counted, and the suite ended those still running")
+        if not self.wrote:
+            return text
+        where = f" (changed: {', '.join(self.unattributed[:3])})" if self.unattributed else ""
+        return ("WARNING: a helper process wrote under the checkpoint directory after its trainer exited" + where
+                + ": in production it can race the next start, which may read the directory while it writes. " + text)
+
+    def merged(self, helpers: tuple[Helper, ...], unattributed: tuple[str, ...]) -> HelpersLeft:
+        every = sorted((*self.helpers, *helpers), key=lambda h: not h.wrote_checkpoint)
+        return HelpersLeft(self.runs + 1, self.count + len(helpers), tuple(every[:HELPERS_SHOWN]),
+                           tuple(dict.fromkeys((*self.unattributed, *unattributed)))[:HELPERS_SHOWN])
+
+
 _recorded: list[Evidence] = []
 _compared: list[Compared] = []      # at most one: the running test's comparisons so far
 _draws: list[Draws] = []            # at most one: the running test's draws so far
+_helpers: list[HelpersLeft] = []    # at most one: the helpers the running test's trainers left
 _lock = threading.Lock()            # crash states judge from several threads
 
 
@@ -345,12 +460,27 @@ def drawn(delivered: bool, reason: str = "") -> None:
         _draws.append(Draws(seen.delivered + delivered, seen.undelivered + (not delivered), reasons))
 
 
+def helpers_left(helpers: tuple[Helper, ...], unattributed: tuple[str, ...] = ()) -> None:
+    """One trainer process (or job) left `helpers` running: folded into the test's HelpersLeft record."""
+    with _lock:
+        seen = _helpers.pop() if _helpers else HelpersLeft(0, 0, ())
+        _helpers.append(seen.merged(helpers, unattributed))
+
+
+def warnings() -> list[str]:
+    """What the running test recorded so far that a failure's text repeats (a helper that wrote
+    under the checkpoint directory after its trainer exited); clears nothing."""
+    with _lock:
+        return [h.summary() for h in _helpers if h.wrote]
+
+
 def take() -> list[Evidence]:
     """What the running test recorded so far; clears it. Draws are reported only where some
     could not be delivered."""
     with _lock:
-        out = list(_recorded) + list(_compared) + [d for d in _draws if d.undelivered]
+        out = list(_recorded) + list(_compared) + [d for d in _draws if d.undelivered] + list(_helpers)
         _recorded.clear()
         _compared.clear()
         _draws.clear()
+        _helpers.clear()
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL
+from .settings import DEFAULT_GRACE_S, DEFAULT_HANG_TIMEOUT_S, DEFAULT_TOL, REPLAYS_PER_RUNNER
 
 
 @dataclass(frozen=True)
@@ -18,9 +18,14 @@ class Flag:
     short: str | None       # the spelling before 0.2, kept as an alias where unambiguous
     metavar: str | None = None
     choices: tuple[str, ...] = ()
-    kind: str = "text"      # text | seconds (a positive number) | tolerance (a number >= 0) | count | switch
+    kind: str = "text"      # text | seconds (a positive number) | tolerance (a number >= 0) | count | switch | names
     verdict: bool = False   # changes a verdict: printed in the replay line, accepted by `replay`
     ini: bool = True        # has an ini key (a switch only lives on the command line)
+    replayed: bool = False  # the trainer's own replay arguments carry it (TrainerAdapter.replay_args); `replay` accepts it
+
+    @property
+    def in_replay_line(self) -> bool:
+        return self.verdict or self.replayed
 
     @property
     def flag(self) -> str:
@@ -44,6 +49,13 @@ FLAGS = (
     Flag("adapter", "Python adapter 'package.module:attribute' (default: the bundled reference trainer)",
          "--adapter", "SPEC"),
     Flag("trainer_cmd", "command that starts the trainer following the command contract", "--trainer-cmd", "CMD"),
+    Flag("capabilities", "a trainer command's capabilities, comma-separated names of conformance.Capability (e.g. "
+         "extendable,resume_from), added to syscall_crash, which it always has; a Python adapter declares its own, and "
+         "giving both is a usage error", "--capabilities", "NAMES", kind="names", replayed=True),
+    Flag("carry_env", "environment variables that choose the trainer's variant, comma-separated: a failure's replay "
+         "line sets each as this run had it (env NAME=VALUE python -m conformance replay ...) and names the likely ones "
+         "it leaves out; CONFORMANCE_ variables are the suite's own, never carried", "--carry-env", "NAMES",
+         kind="names", replayed=True),
     Flag("runner", "warm: fork trainer processes from a process that imported torch once (default); fresh: a new "
          "interpreter per process", "--runner", choices=("warm", "fresh")),
     Flag("loss_tol", f"largest absolute per-step loss difference accepted (default {DEFAULT_TOL:g}); a cap, the "
@@ -75,9 +87,12 @@ FLAGS = (
          "--expected-failures", "FILE"),
     Flag("expected_failures_lenient", "a listed check that passes does not fail the run",
          "--expected-failures-lenient", kind="switch", ini=False),
-    Flag("confirm", "fresh (default): a failure found under the warm runner is replayed once in a fresh interpreter "
-         "per process before it is reported; when that passes, the run reports a runner disagreement instead of "
-         "failing the trainer. off: report what the warm runner found", "--confirm", choices=("fresh", "off")),
+    Flag("confirm", "fresh (default): a failure found under the warm runner is replayed in a fresh interpreter per "
+         "process before it is reported; when that passes, "
+         f"{REPLAYS_PER_RUNNER} more times in each runner: a failure that comes back in "
+         "either fails as intermittent, one that never does as not reproducible, and only one that every warm run "
+         "repeats and no fresh replay does is a runner disagreement instead of the trainer's failure. off: report "
+         "what the warm runner found", "--confirm", choices=("fresh", "off")),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 
@@ -106,7 +121,7 @@ def markdown_table() -> str:
         value = value.replace("|", "\\|")
         short = f"`{f.short}`" if f.short else ""
         ini = f"`{f.ini_key}`" if f.ini else ""
-        rows.append(f"| `{f.flag}{value}` | {short} | {ini} | {f.help}{' (in the replay line)' if f.verdict else ''} |")
+        rows.append(f"| `{f.flag}{value}` | {short} | {ini} | {f.help}{' (in the replay line)' if f.in_replay_line else ''} |")
     rows.append("| `--hypothesis-profile=conformance-quick\\|conformance-ci\\|conformance-fuzz` | | | Hypothesis's own "
                 "option: how many crash schedules are drawn (below) |")
     return "\n".join(rows)

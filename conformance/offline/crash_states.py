@@ -38,6 +38,10 @@ class Replayer:
         # rename. Two states whose files have the same generations hold the same bytes.
         self.gens: dict[str, int] = {}
         self._next_gen = 0
+        # path -> why its bytes cannot be had (the trace cut them short, a source outside it
+        # changed): `files` holds stand-in bytes, unique to the operation, and a state that shows
+        # such a file cannot be rebuilt (problem()), though it can be compared with others.
+        self.unknown: dict[str, str] = {}
 
     def _changed(self, path: str) -> None:
         self._next_gen += 1
@@ -58,61 +62,102 @@ class Replayer:
         elif k in ("create", "open"):
             if "O_TRUNC" in op.flags or op.path not in self.files:
                 self.files[op.path] = bytearray()
+                self.unknown.pop(op.path, None)
                 self._changed(op.path)
             self.positions[(op.rank, op.fd, op.path)] = len(self.files[op.path]) if "O_APPEND" in op.flags else 0
         elif k == "write":
-            if op.data is None:
-                raise UnreplayableTrace(f"op #{op.index} ({op.describe()}): the recording cut its bytes short "
-                                        f"(writes larger than {strace.MAX_DATA_BYTES} bytes cannot be replayed)")
-            data = op.data[: torn_length(op.data)] if torn else op.data
-            buf = self.files.setdefault(op.path, bytearray())
-            pos = op.offset if op.offset is not None else self.positions.get((op.rank, op.fd, op.path), len(buf))
-            if pos > len(buf):
-                buf.extend(b"\0" * (pos - len(buf)))
-            buf[pos:pos + len(data)] = data
-            self._changed(op.path)
-            if op.offset is None:
-                self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
+            data, why = op.data, ""
+            if data is None:
+                data, why = stand_in(op), cut_short(op)
+            self._put(op, data[: torn_length(data)] if torn else data, op.offset, why)
         elif k == "copy":   # sendfile/copy_file_range: the source's bytes, at the destination's position
-            source = self.files.get(op.target)
-            if source is None or op.offset is None:
-                raise UnreplayableTrace(f"op #{op.index} ({op.describe()}): the source's bytes are not in the recording")
-            data = bytes(source[op.offset:op.offset + op.length])
-            data = data[: torn_length(data)] if torn else data
-            buf = self.files.setdefault(op.path, bytearray())
-            pos = self.positions.get((op.rank, op.fd, op.path), len(buf))
-            if pos > len(buf):
-                buf.extend(b"\0" * (pos - len(buf)))
-            buf[pos:pos + len(data)] = data
-            self._changed(op.path)
-            self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
+            source, why = self._from(op, op.target) if op.offset is not None else (b"", no_offset(op))
+            data = bytes(source[op.offset:op.offset + op.length]) if not why else stand_in(op, op.length)
+            self._put(op, data[: torn_length(data)] if torn else data, None, why if data else "")
         elif k == "seek":
             self.positions[(op.rank, op.fd, op.path)] = op.offset
         elif k == "truncate":
             buf = self.files.setdefault(op.path, bytearray())
             del buf[op.offset:]
             buf.extend(b"\0" * (op.offset - len(buf)))
+            if not op.offset:
+                self.unknown.pop(op.path, None)
             self._changed(op.path)
         elif k == "rename":
-            self._move(op.path, op.target)
+            if op.source is not None:
+                self._bring(op)
+            else:
+                self._move(op.path, op.target)
         elif k == "link":
-            if op.path in self.files:
+            if op.source is not None or op.path not in self.files:
+                self._bring(op)
+            else:
                 self.files[op.target] = bytearray(self.files[op.path])
                 self.gens[op.target] = self.gens.get(op.path, 0)
+                self._known(op.target, self.unknown.get(op.path, ""))
         elif k == "symlink":
             self.symlinks[op.path] = op.target
         elif k == "unlink":
-            self.files.pop(op.path, None)
-            self.gens.pop(op.path, None)
-            self.symlinks.pop(op.path, None)
+            for table in (self.files, self.gens, self.symlinks, self.unknown):
+                table.pop(op.path, None)
         elif k == "rmdir":
             self.dirs.discard(op.path)
+            self.unknown.pop(op.path, None)
             # unlinkat(AT_REMOVEDIR) only succeeds on an empty directory, so nothing else goes
+
+    def _put(self, op: Op, data: bytes, offset: int | None, why: str) -> None:
+        """`data` written into op's file at `offset` (None: at the fd's position, which moves on)."""
+        buf = self.files.setdefault(op.path, bytearray())
+        pos = offset if offset is not None else self.positions.get((op.rank, op.fd, op.path), len(buf))
+        if pos > len(buf):
+            buf.extend(b"\0" * (pos - len(buf)))
+        buf[pos:pos + len(data)] = data
+        self._changed(op.path)
+        if why:
+            self.unknown[op.path] = why
+        if offset is None:
+            self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
+
+    def _known(self, path: str, why: str) -> None:
+        if why:
+            self.unknown[path] = why
+        else:
+            self.unknown.pop(path, None)
+
+    def _from(self, op: Op, path: str) -> tuple[bytes | bytearray, str]:
+        """The bytes of `path`, which `op` copies, links or renames, and "" or why they cannot be had:
+        a file from outside what the trace wrote is read back from disk (recording.SourceFile), one
+        the trace wrote was replayed here."""
+        if op.source is not None:
+            try:
+                return op.source.read(), ""
+            except UnreplayableTrace as exc:
+                return b"", f"op #{op.index} ({op.describe()}): {exc}"
+        if path in self.files:
+            return self.files[path], self.unknown.get(path, "")
+        return b"", f"op #{op.index} ({op.describe()}): the source's bytes are not in the recording"
+
+    def _bring(self, op: Op) -> None:
+        """A link or rename that brings in a file (or a directory) from outside what the trace wrote."""
+        if op.source is not None and op.source.directory:
+            self.dirs.add(op.target)
+            self.unknown[op.target] = f"op #{op.index} ({op.describe()}): {op.source.problem}"
+            return
+        data, why = self._from(op, op.path)
+        self.files[op.target] = bytearray(data if not why else stand_in(op))
+        self._changed(op.target)
+        self._known(op.target, why)
+
+    def problem(self) -> str:
+        """Why the directory as it stands now cannot be rebuilt ("" when it can): a file or directory in
+        it whose bytes are unknown."""
+        return next((f"`{p}` cannot be rebuilt: {why}" for p, why in sorted(self.unknown.items())
+                     if not p.startswith("/")), "")
 
     def _move(self, src: str, dst: str) -> None:
         def moved(p: str) -> str | None:
             return moved_by_rename(p, src, dst)
-        for table in (self.files, self.gens, self.symlinks):
+        for table in (self.files, self.gens, self.symlinks, self.unknown):
             for p in [p for p in table if moved(p)]:
                 table[moved(p)] = table.pop(p)
         for p in [p for p in self.dirs if moved(p)]:
@@ -121,6 +166,10 @@ class Replayer:
         # os.replace onto an existing directory needs it empty; onto a file it replaces it
 
     def materialize(self, directory: Path) -> None:
+        """Write the directory out; UnreplayableTrace (why) when it cannot be rebuilt."""
+        why = self.problem()
+        if why:
+            raise UnreplayableTrace(why)
         directory.mkdir(parents=True, exist_ok=True)
         for d in sorted(self.dirs, key=len):
             if not d.startswith("/"):
@@ -148,6 +197,7 @@ class CrashState:
     save_complete: bool = False   # the interrupted save's files already hold their final bytes
     content: str = ""             # the key of the directory it leaves (Replayer.view; "" unknown)
     view: DirectoryView | None = dataclasses.field(default=None, compare=False, repr=False)
+    left_out: str = ""            # why this state cannot be rebuilt ("" when it can): it is not decided
 
     @property
     def verdict_key(self) -> tuple:
@@ -160,6 +210,22 @@ class CrashState:
         return f"{self.before}{'t' if self.torn else ''}"
 
 
+def stand_in(op: Op, length: int | None = None) -> bytes:
+    """Bytes that stand for ones the replayer cannot have (`length` of them, or a short mark), unique
+    to the operation: a file holds them again only where nothing changed it since."""
+    mark = b"\0stand-in for op #%d\0" % op.index
+    return mark if length is None else (mark * (length // len(mark) + 1))[:length]
+
+
+def cut_short(op: Op) -> str:
+    return (f"op #{op.index} ({op.describe()}): the recording cut its bytes short (writes larger than "
+            f"{strace.MAX_DATA_BYTES} bytes cannot be replayed)")
+
+
+def no_offset(op: Op) -> str:
+    return f"op #{op.index} ({op.describe()}): the offset it read its source at is not in the recording"
+
+
 def torn_length(data: bytes) -> int:
     """How much of a write a kill landing during it leaves in a torn state: the first half."""
     return max(1, len(data) // 2)
@@ -167,7 +233,9 @@ def torn_length(data: bytes) -> int:
 
 def crash_states(run: RecordedRun) -> list[CrashState]:
     """Every crash state of the recorded run, in order: before each mutation under the checkpoint
-    directory, and during each write of more than one byte."""
+    directory, and during each write of more than one byte. A state that shows a file whose bytes
+    the replayer cannot have (Replayer.problem) says why in `left_out`. UnreplayableTrace when the
+    run did something the replayer cannot model at all (run.unreplayable): no state is known."""
     if run.unreplayable:
         raise UnreplayableTrace(run.unreplayable)
     complete = _save_complete_before(run)
@@ -181,14 +249,16 @@ def crash_states(run: RecordedRun) -> list[CrashState]:
             where = f"{run.role(i)}: {op.describe()}"
             view = replayer.view()
             key = view.key
+            why = replayer.problem()
             states.append(CrashState(i, False, f"kill before op #{i} ({where})", newest, in_progress, complete[i], key,
-                                     view))
-            if op.kind == "write" and op.data is not None and len(op.data) > 1:
+                                     view, why))
+            if op.kind == "write" and (len(op.data) > 1 if op.data is not None else not op.path.startswith("/")):
                 # Half of a write to a file not yet renamed in shows nothing new.
                 torn = key if op.path.startswith("/") else f"{key}+torn{i}"
-                states.append(CrashState(i, True, f"kill during op #{i} ({where}), only the first "
-                                         f"{torn_length(op.data)} bytes written", newest, in_progress, complete[i],
-                                         torn, view.but(op.path, f"torn{i}")))
+                part = f"only the first {torn_length(op.data)} bytes" if op.data is not None else "only part of it"
+                states.append(CrashState(i, True, f"kill during op #{i} ({where}), {part} written", newest, in_progress,
+                                         complete[i], torn, view.but(op.path, f"torn{i}"),
+                                         why or (cut_short(op) if op.data is None else "")))
         replayer.apply(op)
     return states
 
@@ -279,8 +349,8 @@ def with_stand_in_bytes(run: RecordedRun) -> RecordedRun:
 
 def _with_stand_in_bytes(op: Op) -> Op:
     if op.kind == "copy" or (op.kind == "write" and op.data is None):
-        return dataclasses.replace(op, kind="write", data=b"\0stand-in for op #%d\0" % op.index,
-                                   offset=op.offset if op.kind == "write" else None, target="", length=0)
+        return dataclasses.replace(op, kind="write", data=stand_in(op), offset=op.offset if op.kind == "write" else None,
+                                   target="", length=0, source=None)
     return op
 
 
@@ -300,6 +370,10 @@ def _save_complete_before(run: RecordedRun) -> dict[int, bool]:
 
 
 def build_state(run: RecordedRun, state: CrashState, directory: Path) -> None:
+    """Write the directory `state` leaves; UnreplayableTrace (why) when it cannot be rebuilt, now
+    (a source outside the trace changed since the run was recorded) or ever."""
+    if run.unreplayable:
+        raise UnreplayableTrace(run.unreplayable)
     replayer = Replayer()
     for op in run.ops[: state.before]:
         replayer.apply(op)

@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 
 from ..trace.recording import Op, RecordedRun, UnreplayableTrace
-from .crash_states import moved_by_rename
+from .crash_states import cut_short, moved_by_rename, no_offset, stand_in
 from .unseen import DirectoryView, bytes_identity
 
 MODELS = ("data", "strict")
@@ -35,6 +35,11 @@ class Inode:
     data: bytearray = dataclasses.field(default_factory=bytearray)
     synced: bytes | None = None          # bytes made durable by the last fsync (None: never synced)
     sizes: list[int] = dataclasses.field(default_factory=list)   # truncates since that fsync
+    unknown: str = ""                    # why its bytes cannot be had (they are stand-ins), "" if they can
+    synced_unknown: str = ""             # the same, of the bytes its last fsync made durable
+
+    def durable_unknown(self) -> str:
+        return "" if 0 in self.sizes else self.synced_unknown
 
     def durable(self) -> bytes:
         out = bytearray(self.synced or b"")
@@ -70,12 +75,16 @@ class Cut:
     symlinks: dict[str, str]
     lost_data: dict[str, str]      # path -> why its bytes are not what the run last wrote
     lost_entries: dict[str, str]   # path -> which directory-entry operation did not persist
+    left_out: str = ""             # why this state cannot be rebuilt ("" when it can)
 
     def view(self) -> DirectoryView:
         """What this cut's directory holds (unseen.py); its `key`: equal keys, equal directories."""
         return DirectoryView.of({p: bytes_identity(b) for p, b in self.files.items()}, self.dirs, self.symlinks)
 
     def materialize(self, directory: Path) -> None:
+        """Write the directory out; UnreplayableTrace (why) when it cannot be rebuilt."""
+        if self.left_out:
+            raise UnreplayableTrace(self.left_out)
         if directory.exists():
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
@@ -101,6 +110,7 @@ class Model:
         self.positions: dict[tuple[int, int, str], int] = {}   # (rank, fd, path) -> offset
         self.entries: list[EntryOp] = []
         self.dir_syncs: dict[str, list[int]] = {}   # directory -> op indices of its fsyncs
+        self.unknown_dirs: dict[str, str] = {}      # a directory brought in from outside the trace -> why
 
     def _inode(self, path: str, create: bool = True) -> int | None:
         if path not in self.names and create:
@@ -121,31 +131,18 @@ class Model:
             if "O_TRUNC" in op.flags:
                 del node.data[:]
                 node.sizes.append(0)
+                node.unknown = ""
             if new:
                 self.entries.append(EntryOp(i, "create", op.path, "", self.names[op.path],
                                             frozenset({_parent(op.path)})))
             self.positions[(op.rank, op.fd, op.path)] = len(node.data) if "O_APPEND" in op.flags else 0
         elif k == "write":
-            if op.data is None:
-                raise UnreplayableTrace(f"op #{i} ({op.describe()}): the recording cut its bytes short")
-            buf = self.inodes[self._inode(op.path)].data
-            pos = op.offset if op.offset is not None else self.positions.get((op.rank, op.fd, op.path), len(buf))
-            if pos > len(buf):
-                buf.extend(b"\0" * (pos - len(buf)))
-            buf[pos:pos + len(op.data)] = op.data
-            if op.offset is None:
-                self.positions[(op.rank, op.fd, op.path)] = pos + len(op.data)
+            data, why = (op.data, "") if op.data is not None else (stand_in(op), cut_short(op))
+            self._put(op, data, op.offset, why)
         elif k == "copy":   # sendfile/copy_file_range: the source's (volatile) bytes
-            source = self.names.get(op.target)
-            if source is None or op.offset is None:
-                raise UnreplayableTrace(f"op #{i} ({op.describe()}): the source's bytes are not in the recording")
-            data = bytes(self.inodes[source].data[op.offset:op.offset + op.length])
-            buf = self.inodes[self._inode(op.path)].data
-            pos = self.positions.get((op.rank, op.fd, op.path), len(buf))
-            if pos > len(buf):
-                buf.extend(b"\0" * (pos - len(buf)))
-            buf[pos:pos + len(data)] = data
-            self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
+            source, why = self._from(op, op.target) if op.offset is not None else (b"", no_offset(op))
+            data = bytes(source[op.offset:op.offset + op.length]) if not why else stand_in(op, op.length)
+            self._put(op, data, None, why if data else "")
         elif k == "seek":
             self.positions[(op.rank, op.fd, op.path)] = op.offset
         elif k == "truncate":
@@ -153,21 +150,31 @@ class Model:
             del node.data[op.offset:]
             node.data.extend(b"\0" * (op.offset - len(node.data)))
             node.sizes.append(op.offset)
+            if not op.offset:
+                node.unknown = ""
         elif k == "fsync":
             if op.path in self.dirs:
                 self.dir_syncs.setdefault(op.path, []).append(i)
             elif op.path in self.names:
                 node = self.inodes[self.names[op.path]]
-                node.synced, node.sizes = bytes(node.data), []
+                node.synced, node.sizes, node.synced_unknown = bytes(node.data), [], node.unknown
         elif k in ("rename", "link"):
             src, dst = op.path, op.target
             parents = {_parent(dst)} | ({_parent(src)} if not src.startswith("/") else set())
+            if op.source is not None and op.source.directory:
+                self.dirs.add(dst)
+                self.unknown_dirs[dst] = f"op #{i} ({op.describe()}): {op.source.problem}"
+                self.entries.append(EntryOp(i, "mkdir", dst, "", None, frozenset({_parent(dst)})))
+                return
+            if op.source is not None or (k == "link" and src not in self.names):
+                self._bring(op)
             self.entries.append(EntryOp(i, k, src, dst, self.names.get(src), frozenset(parents)))
             if k == "link":
                 if src in self.names:
                     self.names[dst] = self.names[src]
             else:
                 _move(self.names, self.dirs, self.symlinks, src, dst)
+                _move(self.unknown_dirs, set(), {}, src, dst)
         elif k == "symlink":
             self.symlinks[op.path] = op.target
             self.entries.append(EntryOp(i, k, op.path, op.target, None, frozenset({_parent(op.path)})))
@@ -179,6 +186,40 @@ class Model:
                 self.dirs.discard(op.path)
             self.entries.append(EntryOp(i, k, op.path, "", None, frozenset({_parent(op.path)})))
 
+    def _put(self, op: Op, data: bytes, offset: int | None, why: str) -> None:
+        """`data` written into op's file at `offset` (None: at the fd's position, which moves on)."""
+        node = self.inodes[self._inode(op.path)]
+        buf = node.data
+        pos = offset if offset is not None else self.positions.get((op.rank, op.fd, op.path), len(buf))
+        if pos > len(buf):
+            buf.extend(b"\0" * (pos - len(buf)))
+        buf[pos:pos + len(data)] = data
+        if why:
+            node.unknown = why
+        if offset is None:
+            self.positions[(op.rank, op.fd, op.path)] = pos + len(data)
+
+    def _from(self, op: Op, path: str) -> tuple[bytes | bytearray, str]:
+        """The bytes of `path`, which `op` copies, links or renames, and "" or why they cannot be had
+        (crash_states.Replayer's rule: a source outside what the trace wrote is read back from disk)."""
+        if op.source is not None:
+            try:
+                return op.source.read(), ""
+            except UnreplayableTrace as exc:
+                return b"", f"op #{op.index} ({op.describe()}): {exc}"
+        if path in self.names:
+            node = self.inodes[self.names[path]]
+            return node.data, node.unknown
+        return b"", f"op #{op.index} ({op.describe()}): the source's bytes are not in the recording"
+
+    def _bring(self, op: Op) -> None:
+        """A file linked or renamed in from outside what the trace wrote: its bytes were on disk,
+        durable, before the run; the link or rename that follows names it."""
+        data, why = self._from(op, op.path)
+        data = bytes(data) if not why else stand_in(op)
+        self.names[op.path] = len(self.inodes)
+        self.inodes[self.names[op.path]] = Inode(bytearray(data), data, unknown=why, synced_unknown=why)
+
     def cut(self, model: str, before: int) -> Cut:
         """The state a power cut just before op `before` leaves (ops applied up to it)."""
         if model not in MODELS:
@@ -187,17 +228,22 @@ class Model:
             names, dirs, symlinks, lost_entries = dict(self.names), set(self.dirs), dict(self.symlinks), {}
         else:
             names, dirs, symlinks, lost_entries = self._durable_namespace(before)
-        files, lost_data = {}, {}
+        files, lost_data, unknown = {}, {}, {}
         for path, ino in names.items():
             if path.startswith("/"):
                 continue
             node = self.inodes[ino]
             files[path] = node.durable()
+            if node.durable_unknown():
+                unknown[path] = node.durable_unknown()
             if files[path] != bytes(node.data):
                 lost_data[path] = ("its data was never fsynced" if node.synced is None else
                                    "it was written after its last fsync")
-        return Cut(files, {d for d in dirs if not d.startswith("/") and d != "."},
-                   {p: t for p, t in symlinks.items() if not p.startswith("/")}, lost_data, lost_entries)
+        dirs = {d for d in dirs if not d.startswith("/") and d != "."}
+        unknown.update({d: why for d, why in self.unknown_dirs.items() if d in dirs})
+        left_out = next((f"`{p}` cannot be rebuilt: {why}" for p, why in sorted(unknown.items())), "")
+        return Cut(files, dirs, {p: t for p, t in symlinks.items() if not p.startswith("/")}, lost_data, lost_entries,
+                   left_out)
 
     def _durable_namespace(self, before: int):
         def durable(entry: EntryOp) -> bool:
@@ -262,6 +308,8 @@ def cuts(run: RecordedRun, model: str) -> list[tuple[int, Cut]]:
 
 
 def cut_before(run: RecordedRun, model: str, before: int) -> Cut:
+    if run.unreplayable:
+        raise UnreplayableTrace(run.unreplayable)
     replay = Model()
     for op in run.ops[:before]:
         replay.apply(op)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..trace.recording import RecordedRun
+from ..trace.recording import RecordedRun, UnreplayableTrace
 from . import powerloss
 from .crash_states import Replayer, save_files, save_paths
 
@@ -151,6 +151,23 @@ def candidates(run: RecordedRun, model: str = "kill") -> list[int]:
     return [i for i in inside if _committed_here(run, i, states[i], own)]
 
 
+def left_out(run: RecordedRun, model: str, states: list[int]) -> dict[int, str]:
+    """Those of the op indices `states` before which this fault leaves a directory that cannot be
+    rebuilt (a file whose bytes the replayer cannot have), with why; every one of them when the
+    run itself cannot be replayed (run.unreplayable)."""
+    if run.unreplayable:
+        return dict.fromkeys(states, run.unreplayable)
+    wanted = set(states)
+    if model == "power":
+        return {i: cut.left_out for i, cut in powerloss.cuts(run, "data") if i in wanted and cut.left_out}
+    out, replayer = {}, Replayer()
+    for op in run.ops:
+        if op.index in wanted and replayer.problem():
+            out[op.index] = replayer.problem()
+        replayer.apply(op)
+    return out
+
+
 def _committed_here(run: RecordedRun, before: int, files, own: dict[int, dict[str, bytes]]) -> list[int]:
     """The saves whose checkpoint is there, whole, just before op `before`: those whose save ended
     earlier, and the one in progress once all its own files are final (it has committed; the rest
@@ -163,17 +180,24 @@ def _committed_here(run: RecordedRun, before: int, files, own: dict[int, dict[st
 def compound_state(run: RecordedRun, model: str, before: int) -> tuple[CompoundState, dict[str, bytes], set[str],
                                                                        dict[str, str]] | None:
     """The state and the directory (files, directories, symlinks) it leaves, damage applied; None
-    when no committed checkpoint is present there to damage."""
+    when no committed checkpoint is present there to damage. UnreplayableTrace when that directory
+    cannot be rebuilt."""
     own = own_files(run)
     if model == "kill":
+        if run.unreplayable:
+            raise UnreplayableTrace(run.unreplayable)
         replayer = Replayer()
         for op in run.ops[:before]:
             replayer.apply(op)
+        if replayer.problem():
+            raise UnreplayableTrace(replayer.problem())
         files = {p: bytes(b) for p, b in replayer.files.items() if not p.startswith("/")}
         dirs = {d for d in replayer.dirs if not d.startswith("/")}
         links = dict(replayer.symlinks)
     else:
         cut = powerloss.cut_before(run, "data", before)
+        if cut.left_out:
+            raise UnreplayableTrace(cut.left_out)
         files, dirs, links = dict(cut.files), set(cut.dirs), dict(cut.symlinks)
     damaged = max(_committed_here(run, before, files, own), default=0)
     if not damaged:

@@ -15,7 +15,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..model.evidence import Determinism, Draws, Evidence, RunnerDisagreement, Trial
+from ..model.evidence import Determinism, Draws, Evidence, HelpersLeft, Intermittent, RunnerDisagreement, Trial
 from ..model.settings import VERSION
 
 REPORT_SCHEMA = "conformance-report/2"
@@ -109,6 +109,12 @@ class Report:
         return [(c, e) for c in self.cases for e in c.evidence if isinstance(e, RunnerDisagreement)]
 
     @property
+    def intermittent(self) -> list[tuple[Case, Intermittent]]:
+        """Each failed case whose replays in both runners changed its verdict (a race: the trainer's),
+        or never failed again (not reproducible: the trainer's failure as found)."""
+        return [(c, e) for c in self.cases for e in c.evidence if isinstance(e, Intermittent)]
+
+    @property
     def failed(self) -> list[Case]:
         """The failed and errored cases, each failure once (`Case.failure`): the first case of it."""
         distinct: dict[tuple[str, str], Case] = {}
@@ -138,14 +144,17 @@ class Report:
     @property
     def warnings(self) -> list[str]:
         """Findings that fail no check: retention whose outcome differs between two uninterrupted
-        runs (each, once); a check judged on fewer drawn cases than it could not deliver."""
+        runs (each, once); a check judged on fewer drawn cases than it could not deliver; a helper
+        process that wrote under the checkpoint directory after its trainer exited."""
         return list(dict.fromkeys(
             f"retention's outcome varies between two uninterrupted runs ({e.spec}): {e.retention_varies}. Which "
             "checkpoints survive depends on timing (a deletion racing a save in flight), so a restart may find fewer "
             "than the retention policy promises" for c in self.cases for e in c.evidence
             if isinstance(e, Determinism) and e.retention_varies)) \
             + [f"`{c.check}` {c.outcome} on {e.summary()}" for c in self.cases for e in c.evidence
-               if isinstance(e, Draws) and e.undelivered > e.delivered]
+               if isinstance(e, Draws) and e.undelivered > e.delivered] \
+            + [f"`{c.check}`: {e.summary().removeprefix('WARNING: ')}" for c in self.cases for e in c.evidence
+               if isinstance(e, HelpersLeft) and e.wrote]
 
     def levels(self):
         from .levels import assess
@@ -160,6 +169,8 @@ class Report:
         levels = self.levels()
         top = highest(levels)
         return {**out, "counts": self.counts, "runner_disagreements": len(self.disagreements),
+                "intermittent": sum(e.reproduced for _, e in self.intermittent),
+                "not_reproducible": sum(not e.reproduced for _, e in self.intermittent),
                 "warnings": self.warnings, "level": top.level if top else None,
                 "levels": [dataclasses.asdict(s) for s in levels], "cases": [c.to_json() for c in self.cases]}
 
@@ -256,6 +267,13 @@ def render_markdown(report: Report) -> str:
                   "please report it with the lines below.", ""]
         for _, found in disagreements:
             lines += ["```", found.summary(), found.warm.rstrip(), "```", ""]
+    intermittent = report.intermittent
+    if intermittent:
+        raced = sum(e.reproduced for _, e in intermittent)
+        lines += [f"**{raced} intermittent failure(s), {len(intermittent) - raced} not reproducible**: a failure that "
+                  "came back in some replays of its case and not in others (a race in the trainer), or in none (a race "
+                  "these runs did not hit again, or a one-off fault of the warm runner). Failed either way; each "
+                  "failure below lists every run's outcome.", ""]
     lines += ["| check | outcome | evidence |", "|---|---|---|"]
     lines += _rows(report.cases)
     for case in report.failed:

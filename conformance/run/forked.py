@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import signal
+import time
 
 from .attach import allow_tracer
 from .child import exit_like_interpreter, forget_parents_finalizers, run_target
-from .zygote import die_with_parent
+from .zygote import die_with_parent, reap_killed
 
 
 def run_released(module: str, argv: list[str], env: dict[str, str], stderr_path: str, go_fd: int,
@@ -41,11 +43,17 @@ def run_released(module: str, argv: list[str], env: dict[str, str], stderr_path:
     exit_like_interpreter(code)
 
 
+# How long a spare child may take to read its request: it is already running, so only a child
+# stopped or killed from outside, or a machine too loaded to run it at all, takes longer.
+HAND_S = 20.0
+
+
 @dataclasses.dataclass
 class SpareChild:
     """A child forked before its request: it reads the request from its go pipe (length, then
     JSON), closes its end of the acknowledgement pipe, and then waits for "g" like any child, so
-    strace attaches to a child in the same state either way."""
+    strace attaches to a child in the same state either way. It closes every descriptor of its
+    server's (`inherited`: the protocol channel, the wakeup pipe, other children's go pipes) first."""
 
     pid: int
     go: int          # write end of the child's pipe: its request, then "g"
@@ -77,14 +85,24 @@ class SpareChild:
         return cls(pid, w, ack_r)
 
     def hand(self, req: dict) -> bool:
-        """Give the child its request and wait until it has read it; False if it is gone."""
+        """Give the child its request and wait until it has read it (at most HAND_S); False if it
+        is gone or did not take it in time (then it is killed)."""
         body = json.dumps(req).encode()
+        deadline = time.monotonic() + HAND_S
         try:
             if self.reaped:
                 raise BrokenPipeError
             data = memoryview(len(body).to_bytes(8, "big") + body)
+            os.set_blocking(self.go, False)
             while data:
-                data = data[os.write(self.go, data):]
+                try:
+                    data = data[os.write(self.go, data):]
+                except BlockingIOError:   # a request larger than the pipe: the child reads it as it goes
+                    if not select.select([], [self.go], [], max(0.0, deadline - time.monotonic()))[1]:
+                        raise BrokenPipeError from None
+            os.set_blocking(self.go, True)
+            if not select.select([self.ack], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise BrokenPipeError
             os.read(self.ack, 1)
             return True
         except BrokenPipeError:
@@ -106,10 +124,8 @@ class SpareChild:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            try:
-                os.waitpid(self.pid, 0)
-            except ChildProcessError:
-                pass
+            reap_killed([self.pid])
+            self.reaped = True
 
 
 def _read_request(fd: int) -> dict | None:

@@ -11,15 +11,28 @@ fresh interpreter, and the suite's tests compare both runners on the same cases.
 A multi-rank job is forked the same way: the child becomes a process group of its own and runs
 torchrun's agent (rank.run_job), which forks the ranks from it, warm.
 
-Protocol (JSON lines on the server's stdin/stdout; several children may run at once):
+The protocol runs on a channel of the server's own: two pipes it is handed (`--channel=R,W`),
+never its standard streams. Before it imports anything of the trainer's it makes them private
+(close-on-exec, and closed in every child it forks), points its stdin at /dev/null and its stdout
+at its stderr (its log): what a trainer's module or its libraries print or write to fd 1 at import
+goes to that log, a read of stdin ends at once, and a closed fd 1 closes nothing of the channel.
+Each child, which runs the module again, has stdin and stdout on /dev/null, as the fresh runner
+gives a trainer process.
+
+Protocol (JSON lines: requests read from R, replies written to W; several children may run at once):
+    <- {"warm_up": STEP}            (before each step of its warm-up: "importing torch", "importing M", ...)
+    <- {"ready": true}              (warm-up done: requests sent meanwhile are answered from here on)
     -> {"op": "fork", "id": I, "module": M, "argv": [...], "env": {...}, "stderr": PATH, "tracer": PID
         [, "then": {...}][, "job": [torchrun flags]]}
        ("tracer": the process whose descendants may ptrace the child (Yama's PR_SET_PTRACER);
         "then": run the module a second time in the same child, with that environment;
         "job": run it as a torchrun job with those flags)
-    <- {"id": I, "pid": PID}        (or {"id": I, "refused": WHY}: the server cannot fork safely)
+    <- {"id": I, "pid": PID}        (or {"id": I, "refused": WHY}: the server cannot fork safely, or
+                                     the child it forked did not take the request within forked.HAND_S)
     -> {"op": "go", "id": I}        (or {"op": "abort", "id": I}: kill it unreleased)
     <- {"id": I, "status": RC}      (RC < 0: killed by signal -RC, as subprocess reports it)
+A module that exits or raises as the server imports it does not end the server: each child then
+imports it again, as a fresh interpreter does, and ends as that interpreter would.
 """
 from __future__ import annotations
 
@@ -36,10 +49,10 @@ from collections.abc import Mapping
 
 from ..model.adapters import TrainerAdapter
 from ..model.importing import python_target
-from .forked import SpareChild
+from .forked import HAND_S, SpareChild
 from .proctree import kill_tree, sigkill
 from .warmup import LIBRARY_THREADS, UNEXPLAINED_THREADS, huge_page_tunables, thread_count, warm_up
-from .zygote import drain, exited_children
+from .zygote import drain, exited_children, reap_killed
 
 
 def server_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -125,12 +138,84 @@ def fork_problem() -> str | None:
             f"library pools{who}, so forking it is unsafe")
 
 
-def serve(preload: list[str], later: list[str] = ()) -> None:
+@dataclasses.dataclass(frozen=True)
+class Channel:
+    """The server's protocol channel: the descriptors it reads requests from and writes replies to."""
+
+    requests: int
+    replies: int
+
+    OPTION = "--channel="
+
+    @classmethod
+    def parse(cls, value: str) -> Channel:
+        """`R,W` (the value of --channel)."""
+        try:
+            requests, replies = (int(fd) for fd in value.split(","))
+        except ValueError:
+            raise SystemExit(f"forkserver: {cls.OPTION}{value}: expected two descriptors, R,W") from None
+        return cls(requests, replies)
+
+    def option(self) -> str:
+        return f"{self.OPTION}{self.requests},{self.replies}"
+
+    def fds(self) -> tuple[int, int]:
+        return self.requests, self.replies
+
+
+def take_channel(channel: Channel) -> Channel:
+    """Make the channel this process's own before anything of the trainer's runs in it: both
+    descriptors close-on-exec (a helper a trainer's import execs does not hold them) and above the
+    standard streams, stdin on /dev/null (a read at import ends at once, and takes no request) and
+    stdout on stderr (what is printed at import goes to the server's log)."""
+    import fcntl
+    moved = Channel(*(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3) for fd in channel.fds()))
+    for fd in channel.fds():
+        if fd > 2:
+            os.close(fd)
+    point_standard_streams()
+    return moved
+
+
+def point_standard_streams() -> None:
+    """stdin on /dev/null, stdout where stderr goes; again after the warm-up, which may have closed
+    or moved them (a descriptor the server opens later must not land on fd 0 or 1)."""
+    def onto(fd: int, target: int) -> None:
+        if fd != target:   # a free fd 0 or 1 is what open() itself returns
+            os.dup2(fd, target)
+            os.close(fd)
+
+    onto(os.open(os.devnull, os.O_RDONLY), 0)
+    try:
+        os.dup2(2, 1)
+    except OSError:   # no stderr either (closed at import): stdout goes nowhere
+        onto(os.open(os.devnull, os.O_WRONLY), 1)
+
+
+def serve(channel: Channel, preload: list[str], later: list[str] = ()) -> None:
     """Single-threaded (forking from a threaded process is unsafe): a select loop over requests on
-    stdin and SIGCHLD (through a wakeup pipe); several children may run at once. When stdin closes
-    (the client is gone, however it ended), every child still running is killed (a job: its whole
-    process group) and reaped before the server exits: nothing it started outlives it."""
-    warm_up(preload, later)
+    the channel and SIGCHLD (through a wakeup pipe); several children may run at once. When the
+    request pipe closes (the client is gone, however it ended), every child still running is killed
+    (a job: its whole process group) and reaped before the server exits: nothing it started
+    outlives it."""
+    channel = take_channel(channel)
+
+    def send(obj) -> None:
+        data = memoryview((json.dumps(obj) + "\n").encode())
+        try:
+            while data:
+                data = data[os.write(channel.replies, data):]
+        except BrokenPipeError:   # the client is gone: the request pipe's EOF ends this server
+            pass
+
+    warm_up(preload, later, announce=lambda step: send({"warm_up": step}))
+    point_standard_streams()
+    for stream in (sys.stdout, sys.stderr):   # the import's output, before children inherit it unwritten
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    send({"ready": True})
     import selectors
 
     wake_r, wake_w = os.pipe()
@@ -139,19 +224,15 @@ def serve(preload: list[str], later: list[str] = ()) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     sel = selectors.DefaultSelector()
-    stdin_fd = sys.stdin.fileno()
-    sel.register(stdin_fd, selectors.EVENT_READ)
+    sel.register(channel.requests, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
     running: dict[int, tuple[object, bool]] = {}   # pid -> (request id, whether it is a job's group)
     waiting: dict[object, tuple[int, int]] = {}    # request id -> (pid, write end of its go pipe)
 
-    def send(obj) -> None:
-        os.write(1, (json.dumps(obj) + "\n").encode())
-
     def fork_spare() -> SpareChild | None:
         if fork_problem() is not None:
             return None
-        return SpareChild.fork((wake_r, wake_w, *(gw for _, gw in waiting.values())))
+        return SpareChild.fork((*channel.fds(), wake_r, wake_w, *(gw for _, gw in waiting.values())))
 
     # A child is forked ahead of its request, so the fork (the page tables of torch's imports)
     # overlaps the client's work instead of delaying each trainer process.
@@ -168,7 +249,11 @@ def serve(preload: list[str], later: list[str] = ()) -> None:
             child, spare = spare, None
             if child is None or not child.hand(req):   # it died unused (killed from outside): fork one now
                 child = fork_spare()
-                child.hand(req)
+                if child is None or not child.hand(req):
+                    send({"id": rid, "refused": fork_problem() or f"the child it forked for the request did not take "
+                                                                  f"it within {HAND_S:.0f} s"})
+                    spare = fork_spare()
+                    return
             running[child.pid] = (rid, req.get("job") is not None)
             waiting[rid] = (child.pid, child.go)
             send({"id": rid, "pid": child.pid})
@@ -176,7 +261,10 @@ def serve(preload: list[str], later: list[str] = ()) -> None:
         elif req["op"] in ("go", "abort") and rid in waiting:
             pid, w = waiting.pop(rid)
             if req["op"] == "go":
-                os.write(w, b"g")
+                try:
+                    os.write(w, b"g")
+                except BrokenPipeError:   # killed from outside before its release: its status is reaped as any
+                    pass
             else:
                 sigkill(pid, group=req.get("group", False))
             os.close(w)
@@ -194,18 +282,16 @@ def serve(preload: list[str], later: list[str] = ()) -> None:
             if key.fd == wake_r:
                 drain(wake_r)
                 continue
-            data = os.read(stdin_fd, 1 << 16)
+            data = os.read(channel.requests, 1 << 16)
             if not data:   # the client is gone: so is everything this server started for it
                 if spare is not None:
                     spare.discard()
                 for pid, (_, job) in running.items():
                     (kill_tree if job else sigkill)(pid)
-                while running:
-                    try:
-                        pid, _ = os.waitpid(-1, 0)
-                    except ChildProcessError:
-                        break
-                    running.pop(pid, None)
+                left = reap_killed(running)
+                if left:
+                    print(f"forkserver: exiting with {len(left)} children not reaped ({', '.join(map(str, left))}): "
+                          "they die with it (PR_SET_PDEATHSIG)", file=sys.stderr)
                 return
             buf += data
             while b"\n" in buf:
@@ -216,11 +302,15 @@ def serve(preload: list[str], later: list[str] = ()) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m conformance.run.forkserver [--later=M1,M2] PRELOAD...`"""
+    """`python -m conformance.run.forkserver --channel=R,W [--later=M1,M2] PRELOAD...`"""
+    argv = list(argv)
+    if not argv or not argv[0].startswith(Channel.OPTION):
+        raise SystemExit(f"forkserver: the first argument must be {Channel.OPTION}R,W (its protocol channel)")
+    channel = Channel.parse(argv.pop(0).removeprefix(Channel.OPTION))
     later = []
     if argv and argv[0].startswith("--later="):
         later = [m for m in argv.pop(0).removeprefix("--later=").split(",") if m]
-    serve(argv, later)
+    serve(channel, argv, later)
 
 
 if __name__ == "__main__":

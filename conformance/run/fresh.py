@@ -10,7 +10,7 @@ from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec
 from . import launch, nodes, runners
 from .guardian import guard
-from .proctree import kill_tree
+from .proctree import KILLED_EXIT_S, kill_tree, reap
 from .runners import POLL_S, Jobs, Tracing, finish, job_stderr, run_nodes, signal_group, terminal_signals
 from .watchdog import Limits, Stop, Watchdog
 
@@ -41,9 +41,10 @@ class SubprocessRunner(Jobs):
         if port is not None and spec.nnodes > 1:
             env = launch.rank_env(env, spec, stderr_template=template,
                                   straces={r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())})
-            return run_nodes(self.limits, spec, loss_log, tracing, stop, template,
-                              lambda err: nodes.fresh_agent(tuple(adapter.argv), spec,
-                                                            lambda k: spec.node_env(env, ckpt_dir, k), port, err, POLL_S))
+            return run_nodes(self.limits, spec, loss_log, ckpt_dir, tracing, stop, template,
+                              lambda err, watch: nodes.fresh_agent(tuple(adapter.argv), spec,
+                                                                   lambda k: watch.env(spec.node_env(env, ckpt_dir, k)),
+                                                                   port, err, POLL_S))
         if port is None:
             argv = list(tracing.ranks[0][0] if tracing else ()) + list(adapter.argv)
         else:
@@ -58,22 +59,21 @@ class SubprocessRunner(Jobs):
                 signal_group(proc_box[0].pid, signum)
 
         watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
-                         on_signal=signal_job if port is not None else None)
-        with open(err_path, "w+b") as err_file:
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         on_signal=signal_job if port is not None else None, ckpt_dir=ckpt_dir)
+        with open(err_path, "wb") as err_file:
+            proc = subprocess.Popen(argv, env=watch.env(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=err_file, start_new_session=True)
-            proc_box.append(proc)
-            watch.follow(proc.pid)
-            overrun = None
-            while proc.poll() is None:
-                overrun = watch.problem()
-                if overrun:
-                    kill_tree(proc.pid)   # read while it still has its children: ranks in sessions of their own too
-                    proc.wait()
-                    break
-                time.sleep(POLL_S)
-            err_file.seek(0)
-            err = err_file.read().decode(errors="replace")
+        proc_box.append(proc)
+        watch.follow(proc.pid)
+        overrun = None
+        while proc.poll() is None:
+            overrun = watch.problem()
+            if overrun:
+                kill_tree(proc.pid)   # read while it still has its children: ranks in sessions of their own too
+                reap(proc, KILLED_EXIT_S, "the trainer process the suite had just SIGKILLed")
+                break
+            time.sleep(POLL_S)
+        err = runners.stderr_text(err_path)
         if port is not None:
             err = job_stderr(err, template, spec.world_size)
         return finish(proc.returncode, err, spec, loss_log, tracing, start, overrun, watch)

@@ -26,6 +26,8 @@ from .proctree import comm, process_tree
 from .watchdog import Watchdog
 from .zygote import ZYGOTE_COMM
 
+# How long a node's agent thread may take to end once its agent has exited or been SIGKILLed.
+AGENT_EXIT_S = 60.0
 # An agent's thread asks this every poll: why its node must stop now (None: go on).
 ShouldStop = Callable[[], str | None]
 # Runs node k's agent to its end: (k, should_stop, started(pid)) -> exit status.
@@ -141,8 +143,16 @@ class NodeJob:
                                 kill_tree(node.pid)
                 time.sleep(self.poll)
         finally:
+            if any(t.is_alive() for t in threads):   # the watch above failed: stop the agents it left
+                for node in self.nodes:
+                    if node.pid is not None:
+                        kill_tree(node.pid)
             for t in threads:
-                t.join()
+                t.join(AGENT_EXIT_S)
+            stuck = [t.name for t in threads if t.is_alive()]
+            if stuck:
+                raise RuntimeError(f"the suite's threads running the agents of {', '.join(stuck)} had not ended "
+                                   f"{AGENT_EXIT_S:g} s after the job was over")
         codes = [n.returncode if n.returncode is not None else -1 for n in self.nodes]
         kept = [c for n, c in zip(self.nodes, codes) if c and not n.lost and not n.after_peer]
         lost = [c for n, c in zip(self.nodes, codes) if n.lost]
@@ -179,7 +189,7 @@ def fresh_agent(trainer_argv: tuple[str, ...], spec: RunSpec, env_for: Callable[
             while proc.poll() is None:
                 if should_stop():
                     kill_tree(proc.pid)
-                    proc.wait()
+                    proctree.reap(proc, proctree.KILLED_EXIT_S, f"node {k}'s torchrun agent, SIGKILLed by the suite,")
                     break
                 time.sleep(poll)
         return proc.returncode

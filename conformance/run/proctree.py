@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
 from collections.abc import Mapping
 
 
@@ -83,6 +84,24 @@ def exited(pid: int) -> bool:
     """Whether process `pid` has ended: gone from /proc, or a zombie its parent has not reaped."""
     stat = proc_text(f"/proc/{pid}/stat")
     return not stat or stat_fields(stat)[1][0] in ("Z", "X")
+
+
+PF_EXITING = 0x4   # a task's flag (/proc/PID/stat field 9) once it has begun to exit
+
+
+def dying(pid: int) -> bool:
+    """Whether process `pid` has ended or is on its way out: gone, a zombie, its main thread
+    exiting, or a SIGKILL pending (one the suite just sent is delivered when it next runs)."""
+    stat = proc_text(f"/proc/{pid}/stat")
+    if not stat:
+        return True
+    fields = stat_fields(stat)[1]
+    if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING:
+        return True
+    for line in (proc_text(f"/proc/{pid}/status") or "").splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (1 << (signal.SIGKILL - 1)):
+            return True
+    return False
 
 
 def read_task(pid: int, tid: int) -> TaskSample | None:
@@ -211,3 +230,70 @@ def tracer_of(pid: int) -> int:
         if line.startswith("TracerPid:"):
             return int(line.split()[1] or 0)
     return 0
+
+
+def tracees(tracer: int) -> list[int]:
+    """The live processes `tracer` ptraces (strace -f follows every process its tracee starts, and
+    keeps following it once the tracee has exited). One scan of /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != tracer and tracer_of(int(name)) == tracer and not exited(int(name)):
+            found.append(int(name))
+    return found
+
+
+def parent_of(pid: int) -> int:
+    """The parent of process `pid` (0 if it is gone)."""
+    stat = proc_text(f"/proc/{pid}/stat")
+    return int(stat_fields(stat)[1][1]) if stat else 0
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (live or not yet reaped)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    kids = _children(pid, tids)
+    return kids if kids is not None else _ppids().get(pid, [])
+
+
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces ("" if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return " ".join(os.fsdecode(arg) for arg in f.read().split(b"\0") if arg)
+    except OSError:
+        return ""
+
+
+def open_paths(pid: int) -> list[str]:
+    """The files process `pid` holds open (their paths as /proc shows them)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    paths = []
+    for fd in fds:
+        try:
+            paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return paths
+
+
+KILLED_EXIT_S = 10.0   # how long a process SIGKILLed may take to be reaped (the kernel frees its memory first)
+
+
+def reap(proc: subprocess.Popen, seconds: float, what: str) -> int:
+    """Wait for `proc` to exit, at most `seconds`; then SIGKILL it and wait KILLED_EXIT_S more. Its
+    status; RuntimeError naming `what` if even the kill did not end it in time."""
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    try:
+        return proc.wait(timeout=KILLED_EXIT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} (pid {proc.pid}) had not exited {KILLED_EXIT_S:g} s after the SIGKILL the suite "
+                           f"sent it {seconds:g} s after waiting began") from None

@@ -76,6 +76,28 @@ def stderr_file(loss_log: Path) -> Path:
     return loss_log.with_name(loss_log.name + ".stderr")
 
 
+# The end of a process's stderr a result keeps (its file keeps all of it): a trainer or a library
+# that writes tens of MB there must not be held in memory whole, nor carried in every result.
+STDERR_KEPT = 1 << 20
+
+
+def stderr_text(path: Path, kept: int = STDERR_KEPT) -> str:
+    """The stderr a process wrote to `path`: its last `kept` bytes, from the start of a line, after a
+    line that says how much was left out and where all of it is ("" if there is no such file)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - kept))
+            data = f.read(kept)
+    except OSError:
+        return ""
+    if size <= kept:
+        return data.decode(errors="replace")
+    data = data[data.find(b"\n") + 1:] if b"\n" in data else data
+    return (f"[{size - len(data)} bytes of stderr left out: all {size} are in {path}]\n"
+            + data.decode(errors="replace"))
+
+
 def rank_stderr_template(loss_log: Path) -> Path:
     """Where each rank of a job started for `loss_log` writes its stderr (launch.rank_stderr fills in `{rank}`)."""
     launcher = stderr_file(loss_log)
@@ -89,6 +111,7 @@ def _trace_text(trace_file: Path | None) -> str:
 def finish(rc: int, err: str, spec: RunSpec, loss_log: Path, tracing: Tracing | None, start: float,
             overrun: str | None, watch: Watchdog) -> ProcessResult:
     watch.end_leftovers()   # nothing of the run outlives it: a rank in a session of its own neither
+    watch.helpers.record(tracing.files() if tracing else [])   # what its trainers left running: the evidence
     planned = overrun is not None and overrun == watch.planned
     keep_traces = not (overrun and not planned)
     if not spec.is_job:
@@ -143,7 +166,7 @@ def job_stderr(launcher: str, template: Path, world_size: int) -> str:
     for r in range(world_size):
         path = launch.rank_stderr(template, r)
         try:
-            text, mtime = path.read_text(errors="replace"), path.stat().st_mtime
+            text, mtime = stderr_text(path), path.stat().st_mtime
         except OSError:
             continue
         if text.strip():
@@ -186,17 +209,17 @@ class Jobs:
         return result
 
 
-def run_nodes(limits: Limits, spec: RunSpec, loss_log: Path, tracing: Tracing | None, stop: Stop | None,
-               template: Path, make_agent, problem=None) -> ProcessResult:
-    """A job of several nodes (nodes.py), by either runner: `make_agent(stderr path)` runs one
-    node's agent."""
+def run_nodes(limits: Limits, spec: RunSpec, loss_log: Path, ckpt_dir: Path, tracing: Tracing | None,
+              stop: Stop | None, template: Path, make_agent, problem=None, watch: Watchdog | None = None) -> ProcessResult:
+    """A job of several nodes (nodes.py), by either runner: `make_agent(stderr path, watchdog)`
+    runs one node's agent (its environment with the run's mark: Watchdog.env)."""
     stderr_path = stderr_file(loss_log)
     start = time.monotonic()
     job: list[nodes.NodeJob] = []
-    watch = Watchdog(limits, spec, loss_log, tracing.files() if tracing else [], stop,
-                     on_signal=lambda signum: job[0].on_signal(signum))
+    watch = watch or Watchdog(limits, spec, loss_log, tracing.files() if tracing else [], stop, ckpt_dir=ckpt_dir)
+    watch.on_signal = lambda signum: job[0].on_signal(signum)
     job.append(nodes.NodeJob(spec, watch, POLL_S))
-    rc, overrun = job[0].run(make_agent(stderr_path), problem)
+    rc, overrun = job[0].run(make_agent(stderr_path, watch), problem)
     err = job_stderr(nodes.agents_stderr(stderr_path, spec.nnodes), template, spec.world_size)
     return finish(rc, err, spec, loss_log, tracing, start, overrun, watch)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -16,10 +15,11 @@ from pathlib import Path
 from ..model.adapters import TrainerAdapter
 from ..model.process import ProcessResult, RunSpec
 from . import launch, nodes, runners
-from .attach import RankAttacher, attach_strace
+from .attach import RankAttacher, Tracer, attach_strace
 from .fresh import SubprocessRunner
 from .guardian import guard
 from .identity import Identities, hash_seeds
+from .proctree import kill_tree, process_tree, start_time
 from .runners import POLL_S, Jobs, Tracing, finish, job_stderr, run_nodes, signal_group, terminal_signals
 from .watchdog import Limits, Stop, Watchdog
 
@@ -62,12 +62,19 @@ class WarmRunner(Jobs):
                                                 interpreter=target.interpreter)
             return self._servers[key]
 
+    def runs_fresh(self, adapter: TrainerAdapter) -> bool:
+        """Whether this runner starts `adapter`'s processes in fresh interpreters (its command is
+        not a Python module or script of this torch, strace may not attach to a fork, or its server
+        refused or failed its warm-up): then its failures need no confirmation in a fresh one."""
+        from .forkserver import warm_target
+        return warm_target(adapter)[0] is None or adapter.spec in self.refused or _attach_refused(adapter)
+
     def run_process(self, adapter: TrainerAdapter, spec: RunSpec, ckpt_dir: Path, loss_log: Path, *,
                     tracing: Tracing | None = None, stop: Stop | None = None) -> ProcessResult:
         from .forkclient import ServerRefused
         from .forkserver import warm_target
         target, _ = warm_target(adapter)
-        if target is None or adapter.spec in self.refused or _attach_refused(adapter):
+        if self.runs_fresh(adapter):
             return self.fresh().run_process(adapter, spec, ckpt_dir, loss_log, tracing=tracing, stop=stop)
         identity = self.identities.choose(ckpt_dir)
         try:
@@ -84,39 +91,42 @@ class WarmRunner(Jobs):
                     loss_log: Path, tracing: Tracing | None, stop: Stop | None) -> ProcessResult:
         stderr_path = runners.stderr_file(loss_log)
         start = time.monotonic()
-        watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop)
+        watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop, ckpt_dir=ckpt_dir)
 
-        def attach(pid: int) -> subprocess.Popen | None:
+        def attach(pid: int) -> Tracer | None:
             watch.follow(pid)
-            return attach_strace(list(tracing.ranks[0][0]), pid) if tracing else None
+            return attach_strace(list(tracing.ranks[0][0]), pid, on_left=_helpers_of(watch)) if tracing else None
 
         rc, overrun = self._server(adapter, target, identity).run(
-            target.target, list(target.argv), adapter.environment(spec.env(ckpt_dir, loss_log)), stderr_path, attach,
-            watch=watch.problem, poll=POLL_S, kind=target.kind)
-        err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-        return finish(rc, err, spec, loss_log, tracing, start, overrun, watch)
+            target.target, list(target.argv), watch.env(adapter.environment(spec.env(ckpt_dir, loss_log))), stderr_path,
+            attach, watch=watch.problem, poll=POLL_S, kind=target.kind)
+        return finish(rc, runners.stderr_text(stderr_path), spec, loss_log, tracing, start, overrun, watch)
 
     def _run_job(self, adapter: TrainerAdapter, target, identity: int, spec: RunSpec, ckpt_dir: Path,
                  loss_log: Path, tracing: Tracing | None, stop: Stop | None, port: int) -> ProcessResult:
         stderr_path, template = runners.stderr_file(loss_log), runners.rank_stderr_template(loss_log)
         announce = Path(tempfile.mkdtemp(prefix="ranks-", dir=loss_log.parent))
         straces = {r: list(p) for r, (p, _) in (tracing.ranks.items() if tracing else ())}
-        env = launch.rank_env(adapter.environment(spec.env(ckpt_dir, loss_log)), spec, stderr_template=template,
-                              straces=straces, announce=announce)
-        attacher = RankAttacher(announce, straces)
+        job_pid: list[int] = []
+        watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
+                         on_signal=lambda signum: signal_group(job_pid[0], signum) if job_pid else None,
+                         ckpt_dir=ckpt_dir)
+        watch.announced = announce
+        env = watch.env(launch.rank_env(adapter.environment(spec.env(ckpt_dir, loss_log)), spec,
+                                        stderr_template=template, straces=straces, announce=announce))
+        attacher = RankAttacher(announce, straces, on_left=_helpers_of(watch))
         if spec.nnodes > 1:
             server = self._server(adapter, target, identity, job=True)
             try:
                 attacher.start()
-                return run_nodes(self.limits, spec, loss_log, tracing, stop, template,
-                                  lambda err: nodes.warm_agent(server, target, spec,
-                                                               lambda k: spec.node_env(env, ckpt_dir, k), port, err,
-                                                               POLL_S),
-                                  problem=attacher.problem)
+                return run_nodes(self.limits, spec, loss_log, ckpt_dir, tracing, stop, template,
+                                  lambda err, _: nodes.warm_agent(server, target, spec,
+                                                                  lambda k: spec.node_env(env, ckpt_dir, k), port, err,
+                                                                  POLL_S),
+                                  problem=attacher.problem, watch=watch)
             finally:
                 attacher.close()
                 shutil.rmtree(announce, ignore_errors=True)
-        job_pid: list[int] = []
 
         def attach(pid: int):
             job_pid.append(pid)
@@ -124,9 +134,7 @@ class WarmRunner(Jobs):
             return attacher.start()
 
         start = time.monotonic()
-        watch = Watchdog(self.limits, spec, loss_log, tracing.files() if tracing else [], stop,
-                         on_signal=lambda signum: signal_group(job_pid[0], signum) if job_pid else None)
-        watch.announced = announce
+
         def problem() -> str | None:
             return attacher.problem() or watch.problem()
 
@@ -137,9 +145,8 @@ class WarmRunner(Jobs):
         finally:
             attacher.close()
             shutil.rmtree(announce, ignore_errors=True)
-        err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-        return finish(rc, job_stderr(err, template, spec.world_size), spec, loss_log, tracing, start, overrun,
-                       watch)
+        return finish(rc, job_stderr(runners.stderr_text(stderr_path), template, spec.world_size), spec, loss_log,
+                       tracing, start, overrun, watch)
 
     def run_twice(self, adapter: TrainerAdapter, first: RunSpec, second: RunSpec, ckpt_dir: Path,
                   first_log: Path, second_log: Path) -> ProcessResult | None:
@@ -152,19 +159,35 @@ class WarmRunner(Jobs):
             return None
         stderr_path = runners.stderr_file(second_log)
         start = time.monotonic()
-        watch = Watchdog(dataclasses.replace(self.limits, stall_s=self.limits.total_s), second, second_log, [])
+        watch = Watchdog(dataclasses.replace(self.limits, stall_s=self.limits.total_s), second, second_log, [],
+                         ckpt_dir=ckpt_dir)
         rc, overrun = self._server(adapter, target, self.identities.choose(ckpt_dir)).run(
-            target.target, list(target.argv), adapter.environment(first.env(ckpt_dir, first_log)), stderr_path,
-            watch.follow, watch=watch.problem, poll=POLL_S,
-            then_env=adapter.environment(second.env(ckpt_dir, second_log)),
+            target.target, list(target.argv), watch.env(adapter.environment(first.env(ckpt_dir, first_log))),
+            stderr_path, watch.follow, watch=watch.problem, poll=POLL_S,
+            then_env=watch.env(adapter.environment(second.env(ckpt_dir, second_log))),
             kind=target.kind)
-        err = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-        return finish(rc, err, second, second_log, None, start, overrun, watch)
+        return finish(rc, runners.stderr_text(stderr_path), second, second_log, None, start, overrun, watch)
 
     def close(self) -> None:
+        """Close every server, and end what their imports of the trainer's modules started and left
+        running (a helper a module starts at import runs in the server too): each server ends its
+        own children, not a process they left."""
         for server in self._servers.values():
+            pid = server.proc.pid
+            left = {p: start_time(p) for p in process_tree(pid) if p != pid}
             server.close()
+            for p, started in left.items():
+                if start_time(p) == started:
+                    kill_tree(p)
         self._servers.clear()
+
+
+def _helpers_of(watch: Watchdog):
+    """What a warm run's strace still follows once the process it attached to has exited: helpers
+    that process left running, ended by the run's watchdog (nothing else of the run runs then)."""
+    def end(left: list[int]) -> None:
+        watch.helpers.end(left, alone=True)
+    return end
 
 
 def _attach_refused(adapter: TrainerAdapter) -> bool:

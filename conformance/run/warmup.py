@@ -15,6 +15,7 @@ import importlib
 import linecache
 import os
 import sys
+from collections.abc import Callable
 
 from .deferred import Deferred
 
@@ -72,22 +73,33 @@ SEEDING_MODULES = ("torch.random", "torch._compile", "torch._dynamo.eval_frame",
                    *(f"torch.{device}{sub}" for device in ("cuda", "xpu", "mtia", "mps") for sub in ("", ".random")))
 
 
-def warm_up(preload: list[str], later: list[str] = ()) -> None:
+def warm_up(preload: list[str], later: list[str] = (), announce: Callable[[str], None] = lambda step: None) -> None:
     """Import torch and `preload` (the trainer's modules) as a fresh interpreter would, then load
     torch's lazy modules and `later` out of sight (deferred.py), then do the per-child work below
-    once."""
+    once. `announce(what)` is called before each step ("importing torch", "importing M", ...): the
+    fork server tells its client, so that a warm-up that ends or hangs is reported with its step."""
+    announce("importing torch")
     import torch  # noqa: F401  (import only: no tensor op, no CUDA call before forking)
     LIBRARY_THREADS[:] = [thread_count()]
     # Bytecode may be cached for the trainer's module here, so children running it as __main__
     # skip compiling it; children never write bytecode (it would shift their write counts).
     sys.dont_write_bytecode = False
     for module in preload:
+        announce(f"importing {module}")
+        # A module that cannot be preloaded, whether it raises or exits (sys.exit, argparse), is
+        # imported again by each child, as a fresh interpreter imports it: the child then ends as
+        # that interpreter would, and the warm runner's verdict is the fresh runner's.
         try:
             import_counting_threads(module)
-        except Exception as exc:  # a module that cannot be preloaded is simply imported per child
+        except SystemExit as exc:
+            print(f"forkserver: importing {module} exited with status {exit_status(exc)}; each trainer process "
+                  "imports it again", file=sys.stderr)
+        except Exception as exc:
             print(f"forkserver: cannot preload {module}: {exc!r}", file=sys.stderr)
+    announce(f"loading {', '.join([*LAZY_IMPORTS, *later])} out of the trainer's sight")
     DEFERRED.load([*LAZY_IMPORTS, *later], lambda problem: print(f"forkserver: {problem}", file=sys.stderr))
     sys.dont_write_bytecode = True
+    announce("doing once what each child would repeat")
     read_seeding_sources(preload)
     detect_cpu()
     for module in preload:
@@ -96,6 +108,11 @@ def warm_up(preload: list[str], later: list[str] = ()) -> None:
     # collection, and no copy-on-write of the pages that walk would touch.
     gc.collect()
     gc.freeze()
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The status an interpreter exits with for this SystemExit (sys.exit(None): 0, a message: 1)."""
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
 
 def read_seeding_sources(preload: list[str]) -> None:

@@ -23,6 +23,7 @@ import secrets
 import selectors
 import signal
 import socket
+import time
 from collections.abc import Callable
 
 from .child import exit_like_interpreter
@@ -60,6 +61,30 @@ def exited_children():
         if pid == 0:
             return
         yield pid, os.waitstatus_to_exitcode(status)
+
+
+# How long a child just sent SIGKILL may take to be reaped: one in uninterruptible sleep (a hung
+# network mount, a stuck driver) outlasts its SIGKILL until that wait ends, and nothing here waits
+# for it for ever.
+KILLED_EXIT_S = 30.0
+
+
+def reap_killed(pids, timeout_s: float = KILLED_EXIT_S) -> list[int]:
+    """Reap these children, each just sent SIGKILL, waiting at most `timeout_s` in all; returns
+    those not reaped by then (still dying: nothing catches SIGKILL)."""
+    left, deadline = set(pids), time.monotonic() + timeout_s
+    while left:
+        for pid in list(left):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:   # reaped already
+                done = pid
+            if done:
+                left.discard(pid)
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
+    return sorted(left)
 
 
 def drain(fd: int) -> None:
@@ -105,9 +130,9 @@ class RankZygote:
         """Kill the zygote (its ranks die with it) and reap it."""
         try:
             os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
+        except ProcessLookupError:
             pass
+        reap_killed([self.pid])
 
 
 def _serve(listener: socket.socket, run_rank: Callable[[dict[str, str]], int]) -> None:

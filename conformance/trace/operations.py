@@ -9,8 +9,12 @@ import dataclasses
 import json
 import os
 import re
+from typing import TYPE_CHECKING
 
 from . import strace
+
+if TYPE_CHECKING:
+    from .recording import SourceFile
 
 # Operations that change the directory or a file's bytes (crash points are drawn among these).
 MUTATIONS = frozenset({"mkdir", "create", "write", "copy", "truncate", "rename", "unlink", "rmdir", "link",
@@ -49,6 +53,7 @@ class Op:
     save: int = 0              # the step of the save it belongs to (0: none; see attribute_saves)
     lane: int = 0              # its thread within that save: 0 the logging thread, 1.. other threads
     retention: int = 0         # the retention pass it belongs to, by its save step (0: none; see saves.py)
+    source: SourceFile | None = None   # a copy, link or rename from outside what the trace wrote: its source's record
 
     @property
     def mutation(self) -> bool:

@@ -10,6 +10,11 @@ of them reads a trace or recomputes these facts.
 A save is a logical unit learned from the run (saves.py; in flight across steps too), committed
 before operation i when all of its operations come before i.
 
+It is also the one owner of "what the trace wrote": a copy, link or rename that brings in a file
+from outside it (DeepSpeed's `zero_to_fp32.py`, copied from site-packages by every save) carries
+that file's `SourceFile`, its size, mtime and sha256 taken right after the run (`with_sources`);
+the offline replayers read its bytes back from disk, and only while they are unchanged.
+
 A multi-rank job is recorded rank by rank (each rank's own trace, its own steps) and merged into
 one run in the order the operations happened (strace's -ttt entry times, one clock for all
 ranks): a save is then every rank's operations for that step, committed before operation i when
@@ -20,6 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import os
+import stat
 from pathlib import Path
 
 from ..model.process import ProcessResult, RunSpec, rank_log
@@ -30,6 +38,70 @@ from .saves import attribute_saves, surely_committed_by
 
 class UnreplayableTrace(Exception):
     """The recorded run did something the offline replayer cannot rebuild exactly (named)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+    """A file that a copy, link or rename brought into the checkpoint directory from outside what
+    the trace wrote (DeepSpeed's `zero_to_fp32.py`, a tokenizer, a config): the trace holds none of
+    its bytes, so a rebuilt state reads them from disk, and only while they are what they were when
+    the run was recorded (its size, mtime and sha256 then)."""
+
+    path: str                # the file the run copied, linked or renamed (absolute)
+    at: str                  # where its bytes lay when the run ended (a rename moved them into the directory)
+    size: int = -1
+    mtime_ns: int = -1
+    sha256: str = ""
+    directory: bool = False  # a directory renamed in: its files are not recorded
+    problem: str = ""        # why its bytes could not be recorded ("" when they were)
+
+    def read(self) -> bytes:
+        """Its bytes; UnreplayableTrace when they are gone, or changed since the run was recorded."""
+        if self.problem:
+            raise UnreplayableTrace(self.problem)
+        try:
+            now = os.stat(self.at)
+        except OSError as exc:
+            raise UnreplayableTrace(f"{self.where()} is gone since the run was recorded ({exc.strerror})") from None
+        if (now.st_size, now.st_mtime_ns) != (self.size, self.mtime_ns):
+            raise UnreplayableTrace(f"{self.where()} changed since the run was recorded (size {self.size} -> "
+                                    f"{now.st_size} bytes, mtime {self.mtime_ns} -> {now.st_mtime_ns} ns)")
+        data, digest = _read_hashed(self.at, now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns)
+        if digest != self.sha256:
+            raise UnreplayableTrace(f"{self.where()} changed since the run was recorded (same size and mtime, "
+                                    f"but its sha256 is {digest[:12]}..., not {self.sha256[:12]}...)")
+        return data
+
+    def where(self) -> str:
+        return f"`{self.path}`" + (f" (renamed to `{self.at}` by the run)" if self.at != self.path else "")
+
+
+@functools.lru_cache(maxsize=8)
+def _read_hashed(path: str, dev: int, ino: int, size: int, mtime_ns: int, ctime_ns: int) -> tuple[bytes, str]:
+    """A file's bytes and their sha256, read once per version of it (any write changes its ctime):
+    every rebuilt state that holds a copy of it reads it again."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def record_source(path: str, at: str) -> SourceFile:
+    """The source `path` of a copy, link or rename from outside the trace, its bytes now at `at`:
+    its size, mtime and sha256 as they are now (right after the run)."""
+    try:
+        now = os.stat(at)
+        if stat.S_ISDIR(now.st_mode):
+            return SourceFile(path, at, directory=True, problem=f"`{path}` is a directory brought in from outside "
+                              "what the trace wrote: the files in it are not recorded")
+        if not stat.S_ISREG(now.st_mode):
+            return SourceFile(path, at, problem=f"`{path}` is not a regular file, so its bytes cannot be recorded")
+        if now.st_size > strace.MAX_DATA_BYTES:   # the replayers hold every file in memory, as for a write
+            return SourceFile(path, at, problem=f"`{path}` is larger than {strace.MAX_DATA_BYTES} bytes ({now.st_size}): "
+                              "files that large cannot be replayed")
+        _, digest = _read_hashed(at, now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns)
+    except OSError as exc:
+        return SourceFile(path, at, problem=f"`{at}` could not be read when the run was recorded ({exc.strerror})")
+    return SourceFile(path, at, now.st_size, now.st_mtime_ns, digest)
 
 
 @dataclasses.dataclass
@@ -267,9 +339,10 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
           loss_log: Path, *, preexisting: frozenset[str] = frozenset(), rank: int | None = None) -> RecordedRun:
     """The model of a run (or of one rank's process, with `rank`) from its parsed trace."""
     t = Translator(syscalls, str(ckpt_dir), str(loss_log), result.losses, rank).run(syscalls)
-    ops, step_logs, unreplayable = t.ops, t.step_logs, t.unreplayable
-    # Operations elsewhere matter only for files that end up under the root: drop the rest.
-    feeding = {op.path for op in ops if op.kind in ("rename", "link") and op.inside and op.path.startswith("/")}
+    step_logs, unreplayable = t.step_logs, t.unreplayable
+    ops = with_sources(t.ops, Path(ckpt_dir))
+    # Operations elsewhere matter only for files whose bytes end up under the root: drop the rest.
+    feeding = _feeding(ops)
     unreplayable += [f"a shared writable mmap of {p} (its writes are not syscalls)" for p in sorted(t.mapped)
                      if not p.startswith("/") or p in feeding]
     kept = [op for op in ops if op.inside or op.kind == "log"
@@ -280,3 +353,87 @@ def build(syscalls: list[strace.Syscall], spec: RunSpec, result: ProcessResult, 
     kept = attribute_saves(kept, main_tid, spec.save_every)
     return RecordedRun(spec, result, Path(ckpt_dir), tuple(kept), step_logs, frozenset(t.reads), preexisting,
                        "; ".join(dict.fromkeys(unreplayable)) or None, shared_counts=t.shared_counts())
+
+
+def _brought_from(op: Op) -> str | None:
+    """The path outside the root whose bytes `op` brings under it (a copy's source, a link's or a
+    rename's origin), or None."""
+    if op.error or not op.effect:
+        return None
+    if op.kind == "copy" and op.inside and op.target.startswith("/"):
+        return op.target
+    if op.kind in ("rename", "link") and op.path.startswith("/") and not op.target.startswith("/"):
+        return op.path
+    return None
+
+
+def _puts(op: Op) -> str | None:
+    """The path whose bytes or name `op` sets (a directory: everything under it), or None."""
+    if op.error or not op.effect:
+        return None
+    if op.kind in ("rename", "link"):
+        return op.target
+    return op.path if op.kind in ("mkdir", "create", "open", "write", "copy", "truncate", "symlink") else None
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top + "/")
+
+
+def _feeding(ops: list[Op]) -> set[str]:
+    """The paths outside the root whose bytes the trace wrote and that reach the root: a copy's,
+    link's or rename's origin, and, through renames, links and copies outside it, theirs."""
+    out = {p for op in ops if (p := _brought_from(op)) is not None and not op.source}
+    outside = [(op.target, op.path) if op.kind == "copy" else (op.path, op.target) for op in ops
+               if not op.inside and op.kind in ("rename", "link", "copy") and not op.error and op.effect]
+    while True:
+        more = {origin for origin, to in outside if origin.startswith("/") and any(_under(to, f) for f in out)} - out
+        if not more:
+            return out
+        out |= more
+
+
+def with_sources(ops: list[Op], root: Path) -> list[Op]:
+    """`ops`, each copy, link or rename that brings in a file from outside what the trace wrote
+    before it carrying that file's record (SourceFile: its bytes are read back from disk, and must
+    not have changed), taken now: right after the run. A source the trace wrote takes its bytes
+    from the trace, and is none of these."""
+    out, seen, put = list(ops), {}, set()
+    for i, op in enumerate(ops):
+        path = _brought_from(op)
+        if path is not None and not any(p in put for p in _and_above(path)):
+            at, problem = _at_the_end(ops, i, op.target if op.kind == "rename" else path, path)
+            at = at if at.startswith("/") else os.path.join(root, at)
+            if (path, at, problem) not in seen:
+                seen[(path, at, problem)] = SourceFile(path, at, problem=problem) if problem else record_source(path, at)
+            out[i] = dataclasses.replace(op, source=seen[(path, at, problem)])
+        if _puts(op) is not None:
+            put.add(_puts(op))
+    return out
+
+
+def _and_above(path: str):
+    """`path` and each directory above it."""
+    while path not in ("", "/"):
+        yield path
+        path = os.path.dirname(path)
+
+
+def _at_the_end(ops: list[Op], i: int, where: str, path: str) -> tuple[str, str]:
+    """Where the bytes that op `i` brought in from `path` (at `where` just after it) lay when the run
+    ended, and "" or why they were no longer there: the run moved the file on (a rename), or changed,
+    replaced or deleted it."""
+    for op in ops[i + 1:]:
+        if op.error or not op.effect:
+            continue
+        if op.kind == "rename" and _under(where, op.path):
+            where = op.target + where[len(op.path):]
+        elif (op.kind in ("write", "truncate", "copy") and op.path == where) or (
+                op.kind in ("create", "open") and op.path == where and "O_TRUNC" in op.flags):
+            return where, (f"the run changed `{where}` after op #{ops[i].index} brought in `{path}`: its bytes then "
+                           "are lost")
+        elif (op.kind in ("rename", "link") and _under(where, op.target)) or (
+                op.kind == "unlink" and op.path == where):
+            return where, (f"the run replaced or deleted `{where}` after op #{ops[i].index} brought in `{path}`: its "
+                           "bytes are lost")
+    return where, ""
