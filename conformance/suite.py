@@ -221,11 +221,12 @@ def _pointer_before_peers(session: Session, spec: RunSpec, case: object) -> str:
         for rank in sorted({op.rank for op in ops} - {point.on_rank}):
             theirs = [op for op in ops if op.rank == rank and op.kind != "fsync"]
             if mine and theirs and theirs[-1].kind in ("rename", "link", "symlink") and theirs[-1].index < mine[-1].index:
-                return (f"a pointer written before a barrier: in the uninterrupted run, rank {rank} ended its part of "
-                        f"the save of step {save} with `{theirs[-1].describe()}` before rank {point.on_rank} had "
-                        f"finished its part (its last operation, `{mine[-1].describe()}`, came after): rank {rank} "
-                        f"did not wait for rank {point.on_rank}, so what that {theirs[-1].kind} published (a pointer "
-                        f"or commit point) can name a save rank {point.on_rank} has not finished")
+                return (f"a pointer written before a barrier, if that {theirs[-1].kind} is the save's pointer or "
+                        f"commit point: in the uninterrupted run, rank {rank} ended its part of the save of step "
+                        f"{save} with `{theirs[-1].describe()}` before rank {point.on_rank} had finished its part "
+                        f"(its last operation, `{mine[-1].describe()}`, came after), so nothing in that run ordered "
+                        f"them; a file it publishes then can name a save rank {point.on_rank} has not finished (a "
+                        "rank renaming only its own shard into place is no such race)")
     return ""
 
 

@@ -159,9 +159,10 @@ def test_a_pointer_renamed_before_the_killed_rank_finished_is_named_from_the_uni
     spec = SimpleNamespace(world_size=2, ranks_per_node=2)
     shape = suite._pointer_before_peers(session, spec, CrashPoint("save", 9, rank=1, op=2))
     if pointer_first:
-        assert shape.startswith("a pointer written before a barrier: in the uninterrupted run, rank 0 ended its part of "
-                                "the save of step 9 with `rename .latest.tmp -> latest` before rank 1 had finished its "
-                                "part (its last operation, `fsync step-9`, came after)"), shape
+        assert shape.startswith("a pointer written before a barrier, if that rename is the save's pointer or commit "
+                                "point: in the uninterrupted run, rank 0 ended its part of the save of step 9 with "
+                                "`rename .latest.tmp -> latest` before rank 1 had finished its part (its last operation, "
+                                "`fsync step-9`, came after)"), shape
     else:
         assert shape == ""
 

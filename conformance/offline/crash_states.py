@@ -22,7 +22,7 @@ from pathlib import Path
 from ..model.process import RunSpec
 from ..trace import strace
 from ..trace.operations import MUTATIONS
-from ..trace.recording import Op, RecordedRun, UnreplayableTrace
+from ..trace.recording import Op, RecordedRun, UnreplayableTrace, outside_bytes
 from .unseen import DirectoryView
 
 
@@ -128,11 +128,9 @@ class Replayer:
         """The bytes of `path`, which `op` copies, links or renames, and "" or why they cannot be had:
         a file from outside what the trace wrote is read back from disk (recording.SourceFile), one
         the trace wrote was replayed here."""
-        if op.source is not None:
-            try:
-                return op.source.read(), ""
-            except UnreplayableTrace as exc:
-                return b"", f"op #{op.index} ({op.describe()}): {exc}"
+        outside = outside_bytes(op)
+        if outside is not None:
+            return outside
         if path in self.files:
             return self.files[path], self.unknown.get(path, "")
         return b"", f"op #{op.index} ({op.describe()}): the source's bytes are not in the recording"

@@ -23,7 +23,7 @@ import posixpath
 import shutil
 from pathlib import Path
 
-from ..trace.recording import Op, RecordedRun, UnreplayableTrace
+from ..trace.recording import Op, RecordedRun, UnreplayableTrace, outside_bytes
 from .crash_states import cut_short, moved_by_rename, no_offset, stand_in
 from .unseen import DirectoryView, bytes_identity
 
@@ -202,11 +202,9 @@ class Model:
     def _from(self, op: Op, path: str) -> tuple[bytes | bytearray, str]:
         """The bytes of `path`, which `op` copies, links or renames, and "" or why they cannot be had
         (crash_states.Replayer's rule: a source outside what the trace wrote is read back from disk)."""
-        if op.source is not None:
-            try:
-                return op.source.read(), ""
-            except UnreplayableTrace as exc:
-                return b"", f"op #{op.index} ({op.describe()}): {exc}"
+        outside = outside_bytes(op)
+        if outside is not None:
+            return outside
         if path in self.names:
             node = self.inodes[self.names[path]]
             return node.data, node.unknown

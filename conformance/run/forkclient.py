@@ -116,7 +116,8 @@ class ForkServer:
         return self._link.ended
 
     def _start(self) -> _Link:
-        argv = [*([f"--later={','.join(self.later)}"] if self.later else []), *self.preload]
+        # --tracer: the suite's strace may attach to the server while it warms up (probe_warm_up)
+        argv = [f"--tracer={os.getpid()}", *([f"--later={','.join(self.later)}"] if self.later else []), *self.preload]
         for address, seed in roots():
             if seed is not None and self.env.get("PYTHONHASHSEED") != seed:
                 continue
@@ -369,9 +370,11 @@ class _Link:
         """Write one request; raises (failure) if the server ended, or read none of the channel for
         REPLY_S."""
         data = memoryview((json.dumps(obj) + "\n").encode())
-        deadline = time.monotonic() + REPLY_S
-        if not self._send_lock.acquire(timeout=REPLY_S):
-            raise ServerDied(f"the channel to the fork server was busy for {REPLY_S:.0f} s, so {what} could not be sent")
+        sent_at = time.monotonic()
+        # A server reads no request before its warm-up ends: until then the warm-up's deadline holds.
+        if not self._send_lock.acquire(timeout=WARM_UP_S + REPLY_S):
+            raise ServerDied(f"the channel to the fork server was busy for {WARM_UP_S + REPLY_S:.0f} s, so {what} "
+                             "could not be sent")
         try:
             while data:
                 if self.ended is not None:
@@ -379,8 +382,13 @@ class _Link:
                 try:
                     data = data[os.write(self.requests, data):]
                 except BlockingIOError:
+                    warming = self.ready_at is None
+                    deadline = self.started + WARM_UP_S if warming else max(sent_at, self.ready_at) + REPLY_S
                     left = deadline - time.monotonic()
-                    if left <= 0:
+                    if left <= 0 and warming:
+                        self.end(f"the fork server was ended: it had not finished its warm-up {WARM_UP_S:.0f} s after "
+                                 "it started", kill=True)
+                    elif left <= 0:
                         self.end(f"the fork server was ended: it read no request for {REPLY_S:.0f} s", kill=True)
                     else:
                         select.select([], [self.requests], [], min(left, 1.0))

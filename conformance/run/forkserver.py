@@ -49,6 +49,7 @@ from collections.abc import Mapping
 
 from ..model.adapters import TrainerAdapter
 from ..model.importing import python_target
+from .attach import allow_tracer
 from .forked import HAND_S, SpareChild
 from .proctree import kill_tree, sigkill
 from .warmup import LIBRARY_THREADS, UNEXPLAINED_THREADS, huge_page_tunables, thread_count, warm_up
@@ -302,11 +303,14 @@ def serve(channel: Channel, preload: list[str], later: list[str] = ()) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m conformance.run.forkserver --channel=R,W [--later=M1,M2] PRELOAD...`"""
+    """`python -m conformance.run.forkserver --channel=R,W [--tracer=PID] [--later=M1,M2] PRELOAD...`
+    (--tracer: the client, whose descendants may ptrace the server, as each child allows its own)"""
     argv = list(argv)
     if not argv or not argv[0].startswith(Channel.OPTION):
         raise SystemExit(f"forkserver: the first argument must be {Channel.OPTION}R,W (its protocol channel)")
     channel = Channel.parse(argv.pop(0).removeprefix(Channel.OPTION))
+    if argv and argv[0].startswith("--tracer="):
+        allow_tracer(int(argv.pop(0).removeprefix("--tracer=")))
     later = []
     if argv and argv[0].startswith("--later="):
         later = [m for m in argv.pop(0).removeprefix("--later=").split(",") if m]

@@ -76,6 +76,18 @@ class SourceFile:
         return f"`{self.path}`" + (f" (renamed to `{self.at}` by the run)" if self.at != self.path else "")
 
 
+def outside_bytes(op) -> tuple[bytes, str] | None:
+    """The bytes `op` (a copy, link or rename) brings in from outside what the trace wrote, and ""
+    or why they cannot be had (the replayers' one rule for such a source); None when its source is
+    one the trace wrote."""
+    if op.source is None:
+        return None
+    try:
+        return op.source.read(), ""
+    except UnreplayableTrace as exc:
+        return b"", f"op #{op.index} ({op.describe()}): {exc}"
+
+
 @functools.lru_cache(maxsize=8)
 def _read_hashed(path: str, dev: int, ino: int, size: int, mtime_ns: int, ctime_ns: int) -> tuple[bytes, str]:
     """A file's bytes and their sha256, read once per version of it (any write changes its ctime):
