@@ -79,7 +79,9 @@ def test_a_misspelt_ini_key_is_a_usage_error(tmp_path, run_pytest, name, text):
 def test_a_trainer_that_fails_fails_once(run_pytest):
     proc = run_pytest("--pyargs", "conformance", "--trainer-cmd=/bin/false", "--hypothesis-profile=conformance-quick")
     assert f"1 failed, {len(all_check_ids()) - 1} skipped" in proc.stdout, proc.stdout[-3000:]
-    assert "[determinism_precondition] an uninterrupted run exited 1" in proc.stdout
+    assert ("[determinism_precondition] an uninterrupted run of /bin/false exited 1 before it logged step 1: no check "
+            "can run a trainer that does not start") in proc.stdout
+    assert "  fix:      make the trainer start under the suite's environment" in proc.stdout   # not the determinism fix
     assert "could not tell which files" not in proc.stdout
     assert "the trainer's uninterrupted run failed (see determinism_precondition)" in proc.stdout
 
