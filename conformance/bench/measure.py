@@ -205,9 +205,10 @@ def ci_profile(workdir: Path, *args: str, tag: str = "ci") -> dict[str, Any]:
     from ..report.report import load_report
     rep = workdir / f"{tag}-report"
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "conformance", "-n", "auto", "-q",
-                           "-p", "no:cacheprovider", "--hypothesis-profile=conformance-ci", f"--conformance-report={rep}",
-                           f"--basetemp={workdir / f'{tag}-tmp'}", *args], cwd=workdir, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-n", "auto", "-q", "-p", "no:cacheprovider",
+           "--hypothesis-profile=conformance-ci", f"--conformance-report={rep}", f"--basetemp={workdir / f'{tag}-tmp'}",
+           *args]
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     out: dict[str, Any] = {"seconds": seconds, "exit_code": proc.returncode,
                            "summary": (proc.stdout.strip().splitlines() or [""])[-1]}
