@@ -208,13 +208,27 @@ if __name__ == "__main__":
 '''
 
 
+def _run_warm(tmp_path: Path, module: str):
+    """(the warm runner, its result) for one process of tmp_path's `module` (`python -m module`),
+    the runner closed: what it refused is in its `refused`."""
+    from conformance.model.adapters import TrainerAdapter
+    from conformance.model.process import RunSpec
+    from conformance.run.warm import WarmRunner
+    runner = WarmRunner()
+    adapter = TrainerAdapter(name=module, argv=(sys.executable, "-m", module), pythonpath=(str(tmp_path),), spec=module)
+    (tmp_path / "ckpt").mkdir()
+    try:
+        result = runner.run_process(adapter, RunSpec(1, 1, 0), (tmp_path / "ckpt").resolve(),
+                                    (tmp_path / "loss.jsonl").resolve())
+    finally:
+        runner.close()
+    return runner, result
+
+
 def test_a_server_whose_trainer_starts_a_thread_at_import_refuses_to_fork(tmp_path):
     """Forking a process with another thread copies that thread's locks as they are: the server
     refuses, and the warm runner runs such a trainer fresh (saying why)."""
-    from conformance.model.adapters import TrainerAdapter
-    from conformance.model.process import RunSpec
     from conformance.run.forkclient import ServerRefused
-    from conformance.run.warm import WarmRunner
     (tmp_path / "threaded_trainer.py").write_text(THREAD_AT_IMPORT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     srv = ForkServer(["threaded_trainer"], env=env)
@@ -223,15 +237,7 @@ def test_a_server_whose_trainer_starts_a_thread_at_import_refuses_to_fork(tmp_pa
             srv.run("threaded_trainer", [], env, tmp_path / "stderr")
     finally:
         srv.close()
-    runner = WarmRunner()
-    adapter = TrainerAdapter(name="threaded", argv=(sys.executable, "-m", "threaded_trainer"),
-                             pythonpath=(str(tmp_path),), spec="threaded_trainer")
-    (tmp_path / "ckpt").mkdir()
-    try:
-        result = runner.run_process(adapter, RunSpec(1, 1, 0), (tmp_path / "ckpt").resolve(),
-                                    (tmp_path / "loss.jsonl").resolve())
-    finally:
-        runner.close()
+    runner, result = _run_warm(tmp_path, "threaded_trainer")
     assert result.returncode == 0, result.stderr   # run fresh instead
     assert "more than its fork-aware library pools" in runner.refused["threaded_trainer"]
 
@@ -495,10 +501,7 @@ def test_a_server_that_dies_while_it_imports_is_refused_naming_the_module_and_st
     """os._exit at import ends the server itself: the request fails at once with one message, a
     refusal, and the server is not started again; the warm runner then runs the trainer fresh, and
     its verdict is the fresh runner's."""
-    from conformance.model.adapters import TrainerAdapter
-    from conformance.model.process import RunSpec
     from conformance.run.forkclient import WarmUpFailed
-    from conformance.run.warm import WarmRunner
     monkeypatch.delenv(ROOT_ENV, raising=False)   # a server of its own: a root's child's status is the root's
     (tmp_path / "dies_at_import.py").write_text('import os\nif "pytest" not in __import__("sys").modules:\n'
                                                 '    os._exit(3)\n')
@@ -512,15 +515,7 @@ def test_a_server_that_dies_while_it_imports_is_refused_naming_the_module_and_st
         assert srv.restarts == 0
     finally:
         srv.close()
-    runner = WarmRunner()
-    adapter = TrainerAdapter(name="dies", argv=(sys.executable, "-m", "dies_at_import"), pythonpath=(str(tmp_path),),
-                             spec="dies_at_import")
-    (tmp_path / "ckpt").mkdir()
-    try:
-        result = runner.run_process(adapter, RunSpec(1, 1, 0), (tmp_path / "ckpt").resolve(),
-                                    (tmp_path / "loss.jsonl").resolve())
-    finally:
-        runner.close()
+    runner, result = _run_warm(tmp_path, "dies_at_import")
     assert result.returncode == 3
     assert runner.refused["dies_at_import"] == ("the fork server exited with status 3, while importing dies_at_import, "
                                                 "before it forked any trainer process")
